@@ -1,0 +1,131 @@
+"""Conversion benchmark: a synthetic Mixtral-shaped checkpoint (>= 2 GB, several shards) is
+converted at tp=1 and at tp=4/moe_ep=2; each run is timed against `cp -r` of the same input in
+the same run, and its peak RSS is compared with the largest layer's bytes.
+
+    python benchmarks/convert_bench.py [--gb 2.2] [--workdir /tmp/moepipe-bench] [--keep]
+
+Targets: convert / cp <= 2.0 at tp=1; peak RSS <= 2x the largest layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moepipe.st_io import BF16, SafetensorsWriter
+
+HIDDEN, INTER, EXPERTS, HEADS, KV_HEADS, VOCAB = 2048, 4096, 8, 16, 4, 32000
+
+
+def layer_tensors(i: int) -> list[tuple[str, tuple[int, ...]]]:
+    p = f"model.layers.{i}."
+    hd = HIDDEN // HEADS
+    out = [(p + "input_layernorm.weight", (HIDDEN,)),
+           (p + "post_attention_layernorm.weight", (HIDDEN,)),
+           (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+           (p + "self_attn.k_proj.weight", (KV_HEADS * hd, HIDDEN)),
+           (p + "self_attn.v_proj.weight", (KV_HEADS * hd, HIDDEN)),
+           (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+           (p + "block_sparse_moe.gate.weight", (EXPERTS, HIDDEN))]
+    for e in range(EXPERTS):
+        q = p + f"block_sparse_moe.experts.{e}."
+        out += [(q + "w1.weight", (INTER, HIDDEN)), (q + "w3.weight", (INTER, HIDDEN)),
+                (q + "w2.weight", (HIDDEN, INTER))]
+    return out
+
+
+def nbytes(entries) -> int:
+    return sum(2 * torch.Size(s).numel() for _, s in entries)
+
+
+def make_checkpoint(folder: Path, target_bytes: float) -> tuple[int, int]:
+    """Write the synthetic checkpoint (bf16, one shard per layer); returns (bytes, layer bytes)."""
+    folder.mkdir(parents=True)
+    layer_bytes = nbytes(layer_tensors(0))
+    layers = max(2, int(target_bytes // layer_bytes) + 1)
+    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+              "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTER,
+              "num_hidden_layers": layers, "num_attention_heads": HEADS,
+              "num_key_value_heads": KV_HEADS, "num_local_experts": EXPERTS,
+              "num_experts_per_tok": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+              "rope_theta": 1e6, "hidden_act": "silu", "torch_dtype": "bfloat16",
+              "tie_word_embeddings": False}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    gen = torch.Generator().manual_seed(0)
+    shards = [layer_tensors(i) for i in range(layers)]
+    shards[0] = [("model.embed_tokens.weight", (VOCAB, HIDDEN))] + shards[0]
+    shards[-1] = shards[-1] + [("model.norm.weight", (HIDDEN,)),
+                               ("lm_head.weight", (VOCAB, HIDDEN))]
+    weight_map, total = {}, 0
+    for i, entries in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        writer = SafetensorsWriter(folder / name, [(n, BF16, s) for n, s in entries])
+        for tensor_name, shape in entries:
+            writer.write(torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02)
+            weight_map[tensor_name] = name
+        writer.close()
+        total += (folder / name).stat().st_size
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return total, layer_bytes
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    """Run ``cmd``; return (seconds, peak RSS bytes of the process)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"command failed: {' '.join(cmd)}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=2.2, help="input size in GB (>= 2)")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/moepipe-convert-bench"))
+    ap.add_argument("--keep", action="store_true", help="keep the files")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    if args.workdir.exists():
+        shutil.rmtree(args.workdir)
+    src = args.workdir / "hf"
+    total, layer = make_checkpoint(src, args.gb * 1e9)
+    print(f"input: {total / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, "
+          f"largest layer {layer / 1e6:.0f} MB")
+    moepipe = [sys.executable, "-m", "moepipe", "-q", "convert", "--model", str(src)]
+    results = []
+    for label, extra in (("tp=1", []), ("tp=4 moe_ep=2", ["--tp", "4", "--moe-ep", "2"])):
+        cp_s, _ = timed(["cp", "-r", str(src), str(args.workdir / "copy")])
+        conv_s, rss = timed(moepipe + ["--output", str(args.workdir / "out")] + extra)
+        shutil.rmtree(args.workdir / "copy")
+        shutil.rmtree(args.workdir / "out")
+        results.append({"mapping": label, "convert_s": conv_s, "cp_s": cp_s,
+                        "ratio": conv_s / cp_s, "peak_rss_bytes": rss,
+                        "largest_layer_bytes": layer, "rss_over_layer": rss / layer,
+                        "input_bytes": total})
+    print(f"{'mapping':16} {'convert s':>10} {'cp -r s':>8} {'ratio':>6} {'peak RSS':>9} "
+          f"{'RSS/layer':>9}")
+    for r in results:
+        print(f"{r['mapping']:16} {r['convert_s']:10.2f} {r['cp_s']:8.2f} {r['ratio']:6.2f} "
+              f"{r['peak_rss_bytes'] / 1e6:7.0f}MB {r['rss_over_layer']:9.2f}")
+    ok = results[0]["ratio"] <= 2.0 and all(r["rss_over_layer"] <= 2.0 for r in results)
+    print("targets (convert/cp <= 2.0 at tp=1, peak RSS <= 2x largest layer):",
+          "MET" if ok else "NOT MET")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    if not args.keep:
+        shutil.rmtree(args.workdir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from moepipe.cli import main
+
+main()

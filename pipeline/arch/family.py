@@ -1,0 +1,71 @@
+"""What a model family is: alias table, weight-mapping tables, TensorRT-LLM config fields.
+
+Adding a MoE family = one module of data under ``moepipe.arch`` plus one line in the registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from moepipe.arch.rules import Rule
+from moepipe.arch.spec import DEFAULT_CONFIG_KEYS, ModelSpec, normalize
+
+
+@dataclass(frozen=True)
+class Literal:
+    """A constant written into the TensorRT-LLM config (as opposed to a ModelSpec field name)."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """How TensorRT-LLM interprets a checkpoint ``config.json`` of this family: the facts the
+    reference runtime needs that are not plain numbers in the file."""
+
+    qk_norm: bool
+    shared_expert_intermediate_size: int
+    attn_bias: bool
+
+
+@dataclass(frozen=True)
+class Family:
+    hf_architecture: str
+    trtllm_architecture: str
+    # TensorRT-LLM model class the architecture maps to (MODEL_MAP): decides config semantics.
+    trtllm_class: str
+    description: str
+    layer_prefix: str  # HF prefix of decoder layer {layer}
+    layer_rules: dict[str, Rule]  # TensorRT-LLM name (under transformer.layers.{i}.) -> rule
+    model_rules: dict[str, tuple[str, Rule]]  # name -> ("first" | "last", rule)
+    # 'renormalize' (topk -> softmax) or 'norm_topk_prob' (RENORMALIZE when the HF config sets
+    # norm_topk_prob, else NONE = softmax -> topk).
+    routing: str
+    # Extra, family-specific TensorRT-LLM config fields: name -> ModelSpec attribute or Literal.
+    trtllm_fields: dict[str, str | Literal]
+    runtime_facts: Callable[[dict[str, Any]], RuntimeFacts]
+    config_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    config_defaults: dict[str, Any] = field(default_factory=dict)
+    # Alternative HF name of a source (template -> template), tried when the first is absent.
+    source_aliases: dict[str, str] = field(default_factory=dict)
+    # HF tensors that exist on disk but carry nothing TensorRT-LLM needs (regex on the full name).
+    dropped: tuple[str, ...] = (r".*\.rotary_emb\.inv_freq$",)
+
+    def keys(self) -> dict[str, tuple[str, ...]]:
+        return {**DEFAULT_CONFIG_KEYS, **self.config_keys}
+
+    def spec(self, hf_config: dict[str, Any], where: str) -> ModelSpec:
+        """Normalise an HF ``config.json`` of this family."""
+        return normalize(hf_config, self.keys(), where, self.config_defaults)
+
+    def normalization_mode(self, spec: ModelSpec) -> int:
+        """TensorRT-LLM ``moe.normalization_mode``: 0 NONE (softmax->topk), 1 RENORMALIZE."""
+        if self.routing == "renormalize":
+            return 1
+        # TensorRT-LLM's own Qwen converter always writes NONE. That drops the renormalisation
+        # Qwen3-MoE checkpoints ask for with norm_topk_prob=true (softmax -> topk -> divide by the
+        # sum), so its engines disagree with Hugging Face. softmax->topk->renormalise is exactly
+        # RENORMALIZE (topk on logits, then softmax over the k), so moepipe writes 1 there.
+        return 1 if spec.norm_topk_prob else 0

@@ -1,0 +1,54 @@
+"""Mixtral (``MixtralForCausalLM``) -> TensorRT-LLM LLaMA-class checkpoint."""
+
+from moepipe.arch.common import ATTENTION, MODEL_RULES, llama_runtime_facts
+from moepipe.arch.family import Family, Literal
+from moepipe.arch.rules import ExpertsDown, ExpertsGatedPair, ExpertSource, Router
+
+_EXPERTS = ExpertSource(
+    gate="model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
+    up="model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",
+    down="model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",
+    # transformers 5 in-memory layout (renamed to mlp.*): gate_up [E, 2I, H], down [E, H, I]
+    fused_gate_up="model.layers.{layer}.mlp.experts.gate_up_proj",
+    fused_down="model.layers.{layer}.mlp.experts.down_proj",
+)
+
+FAMILY = Family(
+    hf_architecture="MixtralForCausalLM",
+    trtllm_architecture="MixtralForCausalLM",
+    trtllm_class="LLaMAForCausalLM",
+    description="Mixtral: top-k routed SwiGLU experts, softmax over the selected k",
+    layer_prefix="model.layers.{layer}.",
+    layer_rules={
+        **ATTENTION,
+        "mlp.router.weight": Router("model.layers.{layer}.block_sparse_moe.gate.weight"),
+        "mlp.fc.weight": ExpertsGatedPair(_EXPERTS),
+        "mlp.proj.weight": ExpertsDown(_EXPERTS),
+    },
+    model_rules=MODEL_RULES,
+    routing="renormalize",
+    config_keys={"expert_intermediate_size": ("intermediate_size",),
+                 "dense_intermediate_size": ("intermediate_size",)},
+    trtllm_fields={
+        "mlp_bias": Literal(False),
+        "attn_bias": "attention_bias",
+        "rotary_base": "rope_theta",
+        "rotary_scaling": Literal(None),
+        "residual_mlp": Literal(False),
+        "disable_weight_only_quant_plugin": Literal(False),
+        "remove_duplicated_kv_heads": Literal(False),
+        "fc_after_embed": Literal(False),
+        "use_input_layernorm_in_first_layer": Literal(True),
+        "use_last_layernorm": Literal(True),
+        "layer_idx_offset": Literal(0),
+        "embedding_multiplier": Literal(1.0),
+        "attention_multiplier": Literal(1.0),
+        "residual_multiplier": Literal(1.0),
+        "output_multiplier_scale": Literal(1.0),
+        "tie_word_embeddings": "tie_word_embeddings",
+    },
+    runtime_facts=llama_runtime_facts,
+    # transformers 5 keeps the router as mlp.gate in memory (fused-expert layout).
+    source_aliases={"model.layers.{layer}.block_sparse_moe.gate.weight":
+                    "model.layers.{layer}.mlp.gate.weight"},
+)

@@ -1,0 +1,178 @@
+"""The ``moepipe`` command line: a thin shell over the stages.
+
+Heavy imports (torch, transformers, tritonclient) happen inside the commands, so ``--help`` is
+instant and needs no GPU. User mistakes (:class:`MoepipeError`) print one line with a hint and
+exit non-zero; anything else is a bug and shows a traceback with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+from moepipe.errors import MoepipeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Mixture-of-Experts LLMs: Hugging Face checkpoint -> TensorRT-LLM -> "
+                       "validated Triton deployment.")
+_state = {"debug": False}
+log = logging.getLogger("moepipe")
+
+ConfigOpt = typer.Option(None, "-c", "--config", help="Pipeline config (default ./moepipe.yaml).")
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+          verbose: bool = typer.Option(False, "-v", "--verbose", help="Log progress."),
+          quiet: bool = typer.Option(False, "-q", "--quiet", help="Only errors.")) -> None:
+    _state["debug"] = debug
+    level = logging.DEBUG if debug else logging.INFO if verbose else \
+        logging.ERROR if quiet else logging.WARNING
+    logging.basicConfig(level=level, format="moepipe: %(message)s", stream=sys.stderr)
+    _state["quiet"] = quiet
+
+
+def _echo(text: str = "") -> None:
+    if not _state.get("quiet"):
+        typer.echo(text)
+
+
+@app.command()
+def example(name: str = typer.Argument(..., help="tiny-mixtral | tiny-qwen2-moe | "
+                                                 "tiny-qwen3-moe"),
+            out: Path = typer.Option(..., "--out", help="Folder to create."),
+            overwrite: bool = typer.Option(False, "--overwrite")) -> None:
+    """Write a seeded tiny random-weight checkpoint (HF format, with a real tokenizer)."""
+    from moepipe.examples import write_example
+
+    write_example(name, out, overwrite=overwrite)
+    _echo(f"wrote {name} to {out}")
+
+
+@app.command("inspect")
+def inspect_cmd(model: Path = typer.Argument(..., help="Hugging Face checkpoint folder."),
+                as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+                max_gpus: int = typer.Option(8, "--max-gpus",
+                                             help="Largest world size to list.")) -> None:
+    """Architecture, sizes, parameter counts and the legal parallel mappings of a checkpoint."""
+    from moepipe.stages.inspect import format_inspection, inspect_checkpoint
+
+    result = inspect_checkpoint(model, max_gpus)
+    typer.echo(json.dumps(result.data, indent=2) if as_json else format_inspection(result.data))
+
+
+@app.command()
+def convert(model: Path = typer.Option(..., "--model", help="Hugging Face checkpoint folder."),
+            output: Path = typer.Option(..., "--output", help="TensorRT-LLM checkpoint folder."),
+            dtype: str = typer.Option("auto", "--dtype",
+                                      help="auto | float32 | float16 | bfloat16"),
+            tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
+            moe_tp: int | None = typer.Option(None, "--moe-tp"),
+            moe_ep: int | None = typer.Option(None, "--moe-ep"),
+            workers: int = typer.Option(1, "--workers", help="Ranks converted in parallel."),
+            overwrite: bool = typer.Option(False, "--overwrite")) -> None:
+    """Convert a Hugging Face MoE checkpoint into a sharded TensorRT-LLM checkpoint."""
+    from moepipe.stages.convert import convert as run_convert
+
+    res = run_convert(model, output, dtype=dtype, tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep,
+                      workers=workers, overwrite=overwrite)
+    m = res.plan.mapping
+    _echo(f"wrote {output}: {m.world_size} rank(s) ({m.describe()}), {res.plan.dtype}, "
+          f"{res.bytes_written / 2**20:.1f} MiB in {res.seconds:.2f}s")
+
+
+@app.command()
+def parity(hf: Path = typer.Option(..., "--hf", help="Source Hugging Face checkpoint."),
+           checkpoint: Path = typer.Option(..., "--checkpoint",
+                                           help="Converted TensorRT-LLM checkpoint."),
+           prompt: list[str] | None = typer.Option(None, "--prompt",
+                                                      help="Prompt (repeatable)."),
+           max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
+           tolerance: float = typer.Option(1e-4, "--tolerance",
+                                           help="Max abs logit difference allowed."),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Compare a converted checkpoint with Hugging Face transformers: logits and greedy tokens."""
+    from moepipe.parity import check_parity
+
+    report = check_parity(hf, checkpoint, prompt, max_new_tokens, tolerance)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        for p in report.prompts:
+            typer.echo(f"  {p.prompt[:48]!r:52} max|dlogit| {p.max_abs_diff:.2e}  greedy "
+                       f"{len(p.moepipe_tokens)} tokens "
+                       f"{'match' if p.tokens_match else 'DIFFER'}")
+        verdict = "PASS" if report.passed else "FAIL"
+        typer.echo(f"parity {verdict}: max |logit diff| {report.max_abs_diff:.2e} "
+                   f"(tolerance {tolerance:g}) vs transformers")
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def init(model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder."),
+         example_name: str | None = typer.Option(None, "--example",
+                                                    help="A built-in tiny example."),
+         target: str = typer.Option("cpu", "--target",
+                                    help="cpu | trtllm-engine | trtllm-pytorch"),
+         tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
+         moe_tp: int | None = typer.Option(None, "--moe-tp"),
+         moe_ep: int | None = typer.Option(None, "--moe-ep"),
+         force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+         config: Path = typer.Option(Path("moepipe.yaml"), "-c", "--config",
+                                     help="File to write.")) -> None:
+    """Write a commented moepipe.yaml in the current directory."""
+    from moepipe.config import render_init
+    from moepipe.fsutil import write_text_atomic
+
+    if (model is None) == (example_name is None):
+        raise MoepipeError("give exactly one of --model DIR or --example NAME")
+    if config.exists() and not force:
+        raise MoepipeError(f"{config}: already exists", "pass --force to overwrite it")
+    if model is not None and not (model / "config.json").is_file():
+        raise MoepipeError(f"{model}: not a Hugging Face checkpoint folder (no config.json)")
+    path_text = None
+    if model is not None:
+        path_text = os.path.relpath(model.resolve(), config.resolve().parent)
+    text = render_init(model_path=path_text, example=example_name, target=target, tp=tp,
+                       pp=pp, moe_tp=moe_tp, moe_ep=moe_ep)
+    write_text_atomic(config, text)
+    _echo(f"wrote {config}; next: moepipe build")
+
+
+@app.command()
+def build(config: Path | None = ConfigOpt) -> None:
+    """Run the build stages for the config: inspect -> convert."""
+    from moepipe.build import run_build
+
+    run_build(config, echo=_echo)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, standalone_mode=False)
+    except MoepipeError as e:
+        if _state["debug"]:
+            raise
+        typer.echo(f"error: {e.message}" + (f" (hint: {e.hint})" if e.hint else ""), err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:  # click usage errors carry their own exit code
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            typer.echo("aborted", err=True)
+            sys.exit(1)
+        raise

@@ -1,0 +1,60 @@
+"""Opening a Hugging Face checkpoint folder: config, family, normalised spec, tensors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moepipe.arch import get_family
+from moepipe.arch.family import Family
+from moepipe.arch.spec import ModelSpec
+from moepipe.errors import CheckpointError, UnsupportedError
+from moepipe.st_io import CheckpointReader
+
+
+@dataclass
+class HFCheckpoint:
+    path: Path
+    config: dict[str, Any]
+    family: Family
+    spec: ModelSpec
+
+    def reader(self) -> CheckpointReader:
+        return CheckpointReader(self.path)
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found", f"{what} must contain it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})", "the file is corrupt") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def open_hf_checkpoint(path: str | Path) -> HFCheckpoint:
+    """Read and normalise ``path/config.json``; tensors are validated when first read."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory",
+                              "pass a Hugging Face checkpoint folder (config.json + *.safetensors)")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory",
+                              "pass the folder that holds config.json, not a file")
+    config = read_json(path / "config.json", "a Hugging Face checkpoint folder")
+    archs = config.get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise CheckpointError(f"{path / 'config.json'}: no 'architectures' entry",
+                              "moepipe selects the converter by architectures[0]")
+    family = get_family(archs[0])
+    if "quantization_config" in config:
+        raise UnsupportedError(
+            f"{path}: is already quantized ({config['quantization_config'].get('quant_method')})",
+            "give moepipe the unquantized checkpoint and choose a format in the quantize section")
+    spec = family.spec(config, str(path / "config.json"))
+    return HFCheckpoint(path=path, config=config, family=family, spec=spec)

@@ -1,0 +1,267 @@
+"""The reference runtime: a TensorRT-LLM checkpoint run on CPU with torch, rank by rank.
+
+Every tensor-parallel rank computes with its own shard and the partial results are summed, as
+TensorRT-LLM's all-reduce does: attention heads per rank, row-parallel dense output, experts of
+the rank's EP group on its slice of the expert FFN, shared expert split over tp, vocab-parallel
+``lm_head`` gathered. Pipeline stages run one after the other. Weights are the checkpoint's own
+(cast to float32 for compute), so parity with Hugging Face proves the converter and the config.
+
+The batch interface is *packed*: tokens of several sequences concatenated, each sequence with its
+cache slot and the number of tokens already cached - ragged prefill and batched decode share one
+``forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moepipe.errors import CheckpointError
+from moepipe.mapping import stage_layers
+from moepipe.routing import RouteFn, route
+from moepipe.runtime.checkpoint import TrtllmCheckpoint
+
+
+@dataclass
+class RankLayer:
+    """One decoder layer's weights on one tensor-parallel rank."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    dense: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    experts: range  # global ids of this rank's experts
+    fc: torch.Tensor  # [E_local, 2*I_r, H], rows = [up | gate]
+    proj: torch.Tensor  # [E_local, H, I_r]
+    shared_fc: torch.Tensor | None
+    shared_proj: torch.Tensor | None
+    heads: int
+    kv_heads: int
+
+
+@dataclass
+class Layer:
+    index: int
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    router: torch.Tensor  # [E, H] float32
+    shared_gate: torch.Tensor | None
+    ranks: list[RankLayer]
+
+
+@dataclass
+class Batch:
+    """Packed tokens: ``tokens`` holds ``seq_lens[i]`` new tokens of sequence i, whose cache slot
+    ``slots[i]`` already holds ``past_lens[i]`` tokens."""
+
+    tokens: torch.Tensor
+    seq_lens: list[int]
+    past_lens: list[int]
+    slots: list[int]
+
+    @classmethod
+    def single(cls, tokens: list[int], past: int = 0, slot: int = 0) -> Batch:
+        return cls(torch.tensor(tokens, dtype=torch.long), [len(tokens)], [past], [slot])
+
+
+class KVCache:
+    """Per-slot key/value cache, one tensor per (layer, tp rank)."""
+
+    def __init__(self, model: ReferenceModel, num_slots: int, max_len: int):
+        self.num_slots, self.max_len = num_slots, max_len
+        self.k: list[list[torch.Tensor]] = []
+        self.v: list[list[torch.Tensor]] = []
+        for layer in model.layers:
+            shape = [(num_slots, r.kv_heads, max_len, model.head_size) for r in layer.ranks]
+            self.k.append([torch.zeros(s) for s in shape])
+            self.v.append([torch.zeros(s) for s in shape])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class ReferenceModel:
+    """Forward passes over a loaded :class:`TrtllmCheckpoint`."""
+
+    def __init__(self, ckpt: TrtllmCheckpoint, router: RouteFn = route):
+        self.ckpt = ckpt
+        self.route = router
+        cfg = ckpt.config
+        self.mapping = m = ckpt.mapping
+        self.hidden = int(cfg["hidden_size"])
+        self.num_heads = int(cfg["num_attention_heads"])
+        self.num_kv_heads = int(cfg.get("num_key_value_heads") or self.num_heads)
+        self.head_size = int(cfg.get("head_size") or self.hidden // self.num_heads)
+        self.eps = float(cfg.get("norm_epsilon", 1e-5))
+        self.vocab_size = ckpt.vocab_size
+        self.num_experts = ckpt.routing.num_experts
+        rot_dim = int(cfg.get("rotary_embedding_dim") or self.head_size)
+        base = float(cfg.get("rotary_base", 10000.0))
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float()
+                                        / rot_dim))
+        if rot_dim != self.head_size:
+            raise CheckpointError("partial rotary embeddings are not implemented")
+        self.layers: list[Layer] = []
+        for stage in range(m.pp):
+            stage_ranks = [stage * m.tp + t for t in range(m.tp)]
+            for local, index in enumerate(stage_layers(ckpt.num_layers, m.pp, stage)):
+                self.layers.append(self._layer(index, f"transformer.layers.{local}.", stage_ranks))
+        first, last = 0, (m.pp - 1) * m.tp
+        self.embedding = self._get(first, "transformer.vocab_embedding.weight")
+        self.ln_f = self._get(last, "transformer.ln_f.weight")
+        self.lm_head = [self._get(last + t, "lm_head.weight") for t in range(m.tp)]
+        self.expert_tokens = torch.zeros(ckpt.num_layers, self.num_experts, dtype=torch.long)
+
+    def _get(self, rank: int, name: str, optional: bool = False) -> torch.Tensor | None:
+        tensors = self.ckpt.ranks[rank]
+        if name not in tensors:
+            if optional:
+                return None
+            raise CheckpointError(f"{self.ckpt.path}: rank{rank}.safetensors lacks '{name}'",
+                                  "the checkpoint does not match its config.json")
+        return tensors[name].float()
+
+    def _layer(self, index: int, p: str, ranks: list[int]) -> Layer:
+        facts, m = self.ckpt.facts, self.mapping
+        per_rank = []
+        heads = self.num_heads // m.tp
+        kv_heads = max(1, self.num_kv_heads // m.tp)
+        for rank in ranks:
+            per_rank.append(RankLayer(
+                qkv=self._get(rank, p + "attention.qkv.weight"),
+                qkv_bias=self._get(rank, p + "attention.qkv.bias") if facts.attn_bias else None,
+                dense=self._get(rank, p + "attention.dense.weight"),
+                q_norm=self._get(rank, p + "attention.q_layernorm.weight") if facts.qk_norm
+                else None,
+                k_norm=self._get(rank, p + "attention.k_layernorm.weight") if facts.qk_norm
+                else None,
+                experts=m.ep_experts(self.num_experts, rank),
+                fc=self._get(rank, p + "mlp.fc.weight"),
+                proj=self._get(rank, p + "mlp.proj.weight"),
+                shared_fc=self._get(rank, p + "mlp.shared_expert.fc.weight")
+                if facts.shared_expert_intermediate_size else None,
+                shared_proj=self._get(rank, p + "mlp.shared_expert.proj.weight")
+                if facts.shared_expert_intermediate_size else None,
+                heads=heads, kv_heads=kv_heads))
+        r0 = ranks[0]
+        return Layer(index=index,
+                     input_norm=self._get(r0, p + "input_layernorm.weight"),
+                     post_norm=self._get(r0, p + "post_layernorm.weight"),
+                     router=self._get(r0, p + "mlp.router.weight"),
+                     shared_gate=self._get(r0, p + "mlp.shared_expert_gate.weight")
+                     if facts.shared_expert_intermediate_size else None,
+                     ranks=per_rank)
+
+    # -- forward -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: Batch, cache: KVCache | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Logits of the last token of each sequence ``[num_seqs, vocab]`` (or of every token
+        with ``all_logits``). With a cache, new keys/values are stored in the sequences' slots."""
+        positions = torch.cat([torch.arange(p, p + n) for p, n in
+                               zip(batch.past_lens, batch.seq_lens, strict=True)])
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        h = self.embedding[batch.tokens]
+        for layer in self.layers:
+            x = rms_norm(h, layer.input_norm, self.eps)
+            attn = torch.zeros_like(h)
+            for r, w in enumerate(layer.ranks):
+                attn += self._attention(x, w, layer.index, r, cos, sin, batch, cache)
+            h = h + attn
+            x = rms_norm(h, layer.post_norm, self.eps)
+            h = h + self._moe(x, layer)
+        if not all_logits:
+            last = torch.tensor(batch.seq_lens).cumsum(0) - 1
+            h = h[last]
+        h = rms_norm(h, self.ln_f, self.eps)
+        logits = torch.cat([h @ part.T for part in self.lm_head], dim=-1)
+        return logits[:, : self.vocab_size]
+
+    def _attention(self, x, w: RankLayer, layer: int, rank: int, cos, sin, batch: Batch,
+                   cache: KVCache | None) -> torch.Tensor:
+        hd = self.head_size
+        qkv = x @ w.qkv.T
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
+        q, k, v = qkv.split([w.heads * hd, w.kv_heads * hd, w.kv_heads * hd], dim=-1)
+        q = q.view(-1, w.heads, hd)
+        k = k.view(-1, w.kv_heads, hd)
+        v = v.view(-1, w.kv_heads, hd)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, self.eps)
+            k = rms_norm(k, w.k_norm, self.eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None and all(n == 1 for n in batch.seq_lens):
+            out = self._decode_attention(q, k, v, layer, rank, batch, cache)
+        else:
+            out = self._prefill_attention(q, k, v, layer, rank, batch, cache)
+        return out.reshape(-1, w.heads * hd) @ w.dense.T
+
+    def _prefill_attention(self, q, k, v, layer, rank, batch, cache):
+        outs, start = [], 0
+        for n, past, slot in zip(batch.seq_lens, batch.past_lens, batch.slots, strict=True):
+            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+            start += n
+            if cache is not None:
+                kc, vc = cache.k[layer][rank], cache.v[layer][rank]
+                kc[slot, :, past:past + n] = ks
+                vc[slot, :, past:past + n] = vs
+                ks, vs = kc[slot, :, :past + n], vc[slot, :, :past + n]
+            elif past:
+                raise ValueError("a sequence with cached tokens needs the cache")
+            mask = torch.arange(past + n)[None, :] <= (past + torch.arange(n))[:, None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            outs.append(o.transpose(0, 1))
+        return torch.cat(outs, dim=0)
+
+    def _decode_attention(self, q, k, v, layer, rank, batch, cache):
+        kc, vc = cache.k[layer][rank], cache.v[layer][rank]
+        slots = torch.tensor(batch.slots)
+        past = torch.tensor(batch.past_lens)
+        kc[slots, :, past] = k
+        vc[slots, :, past] = v
+        length = int(past.max()) + 1
+        keys, values = kc[slots, :, :length], vc[slots, :, :length]
+        mask = (torch.arange(length)[None, :] <= past[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
+                                           enable_gqa=True)
+        return o[:, :, 0, :]
+
+    def _moe(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        logits = x.float() @ layer.router.T
+        ids, weights = self.route(logits, self.ckpt.routing)
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.expert_tokens[layer.index] += counts
+        order = torch.argsort(flat, stable=True)
+        token_of = order // ids.shape[1]
+        weight_of = weights.reshape(-1)[order]
+        offsets = [0, *torch.cumsum(counts, 0).tolist()]
+        out = torch.zeros_like(x)
+        for w in layer.ranks:
+            for local, expert in enumerate(w.experts):
+                start, stop = offsets[expert], offsets[expert + 1]
+                if start == stop:
+                    continue
+                idx = token_of[start:stop]
+                up, gate = (x[idx] @ w.fc[local].T).chunk(2, dim=-1)
+                y = (F.silu(gate) * up) @ w.proj[local].T
+                out.index_add_(0, idx, y * weight_of[start:stop, None])
+            if w.shared_fc is not None:
+                up, gate = (x @ w.shared_fc.T).chunk(2, dim=-1)
+                shared = (F.silu(gate) * up) @ w.shared_proj.T
+                out += torch.sigmoid(x @ layer.shared_gate.T) * shared
+        return out

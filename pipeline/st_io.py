@@ -1,0 +1,427 @@
+"""Streaming safetensors I/O with the checks a converter needs.
+
+* :class:`CheckpointReader` reads a folder of ``.safetensors`` shards (honouring
+  ``model.safetensors.index.json``), validates every header against the file (truncation,
+  offsets that lie, overlapping tensors) before anything is converted, and reads only the bytes a
+  slice needs with ``pread`` - no mmap, so resident memory stays bounded by what is in flight.
+* :class:`SafetensorsWriter` writes the header first (all names, shapes and dtypes are known from
+  the plan) and then streams tensor data chunk by chunk, hashing as it goes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+from moepipe.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class DType:
+    """A safetensors dtype. Kept apart from torch so that copying bytes needs no torch import
+    (``moepipe convert`` of a same-dtype checkpoint starts in a fraction of a second)."""
+
+    name: str  # safetensors spelling
+    itemsize: int
+    torch_name: str
+
+    @property
+    def torch(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.torch_name)
+
+    def __str__(self) -> str:
+        return self.torch_name
+
+
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("F64", 8, "float64"), DType("F32", 4, "float32"), DType("F16", 2, "float16"),
+    DType("BF16", 2, "bfloat16"), DType("I64", 8, "int64"), DType("I32", 4, "int32"),
+    DType("I16", 2, "int16"), DType("I8", 1, "int8"), DType("U8", 1, "uint8"),
+    DType("BOOL", 1, "bool"), DType("F8_E4M3", 1, "float8_e4m3fn"),
+    DType("F8_E5M2", 1, "float8_e5m2"))}
+F32, F16, BF16 = DTYPES["F32"], DTYPES["F16"], DTYPES["BF16"]
+BY_TORCH_NAME: dict[str, DType] = {d.torch_name: d for d in DTYPES.values()}
+
+
+def dtype_of(tensor: torch.Tensor) -> DType:
+    return BY_TORCH_NAME[str(tensor.dtype).removeprefix("torch.")]
+INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER = 100 * 1024 * 1024
+_MAX_READ = 1 << 30
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    dtype: DType
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def parse_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and validate one safetensors file's header against the file itself."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated (no safetensors header)",
+                                      "re-download or re-save the shard")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > MAX_HEADER or 8 + hlen > size:
+                raise CheckpointError(
+                    f"{path}: header length {hlen} does not fit a {size}-byte file "
+                    "(truncated, or not a safetensors file)", "re-download or re-save the shard")
+            raw = f.read(hlen)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON",
+                              "the file is corrupt; re-download or re-save it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    infos: dict[str, TensorInfo] = {}
+    spans = []
+    base = 8 + hlen
+    for name, entry in header.items():
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: malformed header entry for '{name}'",
+                                  "the file is corrupt; re-download or re-save it") from None
+        if any(d < 0 for d in shape) or not 0 <= begin <= end:
+            raise CheckpointError(f"{path}: header entry for '{name}' has a negative size")
+        want = math.prod(shape) * dtype.itemsize
+        if end - begin != want:
+            raise CheckpointError(
+                f"{path}: header lies about '{name}': shape {list(shape)} {entry['dtype']} needs "
+                f"{want} bytes but its offsets span {end - begin}",
+                "the file is corrupt; re-download or re-save it")
+        infos[name] = TensorInfo(name, path, dtype, shape, base + begin, want)
+        spans.append((begin, end, name))
+    spans.sort()
+    cursor = 0
+    for begin, end, name in spans:
+        if begin < cursor:
+            raise CheckpointError(f"{path}: tensor '{name}' overlaps another tensor's bytes",
+                                  "the file is corrupt; re-download or re-save it")
+        cursor = max(cursor, end)
+    if base + cursor > size:
+        raise CheckpointError(
+            f"{path}: truncated: header promises {cursor} bytes of tensor data, the file holds "
+            f"{size - base}", "the download or copy was cut short; fetch the shard again")
+    if base + cursor < size:
+        raise CheckpointError(f"{path}: {size - base - cursor} unexpected bytes after the last "
+                              "tensor", "the file is corrupt; re-download or re-save it")
+    return infos
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:done + _MAX_READ]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"{path}: unexpected end of file while reading tensor data",
+                                  "the file changed or was truncated while converting")
+        done += n
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous byte range of a tensor in its file that covers a requested slice."""
+
+    info: TensorInfo
+    offset: int  # absolute, in the file
+    nbytes: int
+    block_shape: tuple[int, ...]
+    cut: tuple | None  # index into the block that gives the request; None = the whole block
+    shape: tuple[int, ...]  # shape of the request
+
+
+class CheckpointReader:
+    """Lazy, validated access to the tensors of a safetensors checkpoint folder."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.files = self._shard_files()
+        self.tensors: dict[str, TensorInfo] = {}
+        for path in self.files:
+            for name, info in parse_header(path).items():
+                if name in self.tensors:
+                    raise CheckpointError(f"tensor '{name}' appears in both "
+                                          f"{self.tensors[name].file.name} and {path.name}")
+                self.tensors[name] = info
+        self._check_index()
+        self._fds: dict[Path, int] = {}
+
+    def _shard_files(self) -> list[Path]:
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder}: no such directory",
+                                  "pass the folder that holds config.json and *.safetensors")
+        index = self.folder / INDEX_FILE
+        if index.exists():
+            try:
+                self._index = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise CheckpointError(f"{index}: not a valid safetensors index (weight_map)",
+                                      "the index file is corrupt") from None
+            files = sorted(set(self._index.values()))
+            missing = [f for f in files if not (self.folder / f).is_file()]
+            if missing:
+                raise CheckpointError(f"{self.folder}: shard(s) listed in {INDEX_FILE} are "
+                                      f"missing: {', '.join(missing)}",
+                                      "the download is incomplete; fetch the missing shards")
+            return [self.folder / f for f in files]
+        self._index = None
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            bins = list(self.folder.glob("*.bin")) + list(self.folder.glob("*.pt"))
+            hint = ("moepipe loads safetensors only (no pickle); convert the .bin weights with "
+                    "`save_pretrained(..., safe_serialization=True)`" if bins else
+                    "pass a Hugging Face checkpoint folder")
+            raise CheckpointError(f"{self.folder}: no *.safetensors files", hint)
+        return files
+
+    def _check_index(self) -> None:
+        if self._index is None:
+            return
+        for name, fname in self._index.items():
+            info = self.tensors.get(name)
+            if info is None or info.file.name != fname:
+                raise CheckpointError(f"{INDEX_FILE} maps '{name}' to {fname}, which does not "
+                                      "contain it", "the index and the shards disagree")
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.folder}: tensor '{name}' is missing",
+                                  "the checkpoint is incomplete or not of the declared "
+                                  "architecture") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def region(self, name: str, index: tuple = ()) -> Region:
+        """The smallest contiguous block of the file that covers ``tensor[index]`` (ints and
+        basic slices on leading dims), and how to cut the request out of it."""
+        info = self.info(name)
+        shape = info.shape
+        ranges, squeeze = [], []
+        for dim, size in enumerate(shape):
+            ix = index[dim] if dim < len(index) else slice(None)
+            if isinstance(ix, int):
+                ranges.append((ix, ix + 1))
+                squeeze.append(dim)
+            else:
+                start, stop, step = ix.indices(size)
+                if step != 1:
+                    raise ValueError("strided reads are not supported")
+                ranges.append((start, max(start, stop)))
+        # First dim whose range spans more than one index: the covering block takes that range
+        # and everything after it.
+        pivot = next((d for d, (a, b) in enumerate(ranges) if b - a != 1), len(shape))
+        if pivot == len(shape):
+            pivot = len(shape) - 1 if shape else 0
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        first = sum(ranges[d][0] * strides[d] for d in range(pivot))
+        if shape:
+            first += ranges[pivot][0] * strides[pivot]
+            count = (ranges[pivot][1] - ranges[pivot][0]) * strides[pivot]
+            block_shape = (ranges[pivot][1] - ranges[pivot][0], *shape[pivot + 1:])
+        else:
+            count, block_shape = 1, ()
+        rest = tuple(slice(a, b) for a, b in ranges[pivot + 1:])
+        exact = all(r == slice(0, shape[pivot + 1 + i]) for i, r in enumerate(rest))
+        out_shape = tuple(b - a for d, (a, b) in enumerate(ranges) if d not in squeeze)
+        item = info.dtype.itemsize
+        return Region(info, info.offset + first * item, count * item, block_shape,
+                      None if exact else (slice(None), *rest), out_shape)
+
+    def read(self, name: str, index: tuple = ()) -> torch.Tensor:
+        """Read ``tensor[index]``, touching only the smallest covering block of the file."""
+        import torch
+
+        region = self.region(name, index)
+        raw = torch.empty(region.nbytes, dtype=torch.uint8)
+        self.read_bytes(region.info.file, region.offset, memoryview(raw.numpy()))
+        block = raw.view(region.info.dtype.torch).reshape(region.block_shape)
+        if region.cut is not None:
+            block = block[region.cut]
+        return block.reshape(region.shape).contiguous()
+
+    def read_bytes(self, path: Path, offset: int, buf: memoryview) -> None:
+        if len(buf):
+            _pread_into(self._fd(path), buf, offset, path)
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.files)
+
+
+class BufferPool:
+    """A few reusable byte blocks: reading into them avoids page-faulting fresh memory for
+    every block, and bounds the bytes in flight."""
+
+    def __init__(self, count: int, size: int):
+        self._free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(count):
+            self._free.put(bytearray(size))
+
+    def get(self) -> bytearray:
+        return self._free.get()
+
+    def put(self, buf: bytearray) -> None:
+        self._free.put(buf)
+
+
+class SafetensorsWriter:
+    """Write a safetensors file whose layout is fixed up front, streaming the data.
+
+    The sha256 of the file is computed on a second thread while the next data is produced.
+    """
+
+    def __init__(self, path: Path, entries: list[tuple[str, DType, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        header: dict = {"__metadata__": metadata or {"format": "pt"}}
+        offset = 0
+        self._sizes = []
+        for name, dtype, shape in entries:
+            n = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": dtype.name, "shape": list(shape),
+                            "data_offsets": [offset, offset + n]}
+            self._sizes.append((name, dtype, n))
+            offset += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.path = path
+        self._f = open(path, "wb")
+        self._hash = hashlib.sha256()
+        self._queue: queue.Queue = queue.Queue(maxsize=8)
+        self._hasher = threading.Thread(target=self._hash_loop, daemon=True)
+        self._hasher.start()
+        self._emit(struct.pack("<Q", len(blob)) + blob)
+        self._entry = 0
+        self._left = self._sizes[0][2] if self._sizes else 0
+
+    def _emit(self, data, release=None) -> None:
+        self._f.write(data)
+        self._queue.put((data, release))
+
+    def _hash_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            data, release = item
+            self._hash.update(data)
+            if release is not None:
+                release()
+
+    def _current(self) -> tuple[str, DType]:
+        while self._left == 0 and self._entry < len(self._sizes) - 1:
+            self._entry += 1
+            self._left = self._sizes[self._entry][2]
+        name, dtype, _ = self._sizes[self._entry]
+        return name, dtype
+
+    def write(self, chunk: torch.Tensor) -> None:
+        """Append the next chunk of the current tensor (chunks of one tensor, in order),
+        cast to the tensor's declared dtype."""
+        import torch
+
+        _, dtype = self._current()
+        self.write_bytes(memoryview(chunk.to(dtype.torch).contiguous().reshape(-1)
+                                    .view(torch.uint8).numpy()))
+
+    def write_zeros(self, nbytes: int) -> None:
+        self.write_bytes(memoryview(bytes(nbytes)))
+
+    def write_bytes(self, data: memoryview, release=None) -> None:
+        """Append raw bytes (already in the declared dtype) to the current tensor. ``data``
+        must stay unchanged until ``release()`` is called (after it has been hashed)."""
+        name, _ = self._current()
+        if data.nbytes > self._left:
+            raise RuntimeError(f"{self.path.name}: too much data for '{name}'")
+        self._emit(data, release)
+        self._left -= data.nbytes
+
+    def close(self) -> str:
+        """Finish the file; returns its sha256."""
+        if self._left or self._entry < len(self._sizes) - 1:
+            raise RuntimeError(f"{self.path.name}: tensor '{self._sizes[self._entry][0]}' "
+                               "is incomplete")
+        self._queue.put(None)
+        self._hasher.join()
+        self._f.close()
+        return self._hash.hexdigest()
+
+    def abort(self) -> None:
+        self._queue.put(None)
+        self._hasher.join()
+        self._f.close()
+
+
+def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load every tensor of one safetensors file (validated first; no pickle, no mmap)."""
+    import torch
+
+    path = Path(path)
+    infos = parse_header(path)
+    out = {}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for name, info in infos.items():
+            raw = torch.empty(info.nbytes, dtype=torch.uint8)
+            if info.nbytes:
+                _pread_into(fd, memoryview(raw.numpy()), info.offset, path)
+            out[name] = raw.view(info.dtype.torch).reshape(info.shape)
+    finally:
+        os.close(fd)
+    return out
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(bufsize)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()

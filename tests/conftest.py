@@ -1,0 +1,51 @@
+"""Shared fixtures. Tiny models are generated from code with fixed seeds; nothing is downloaded."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # tiny models: thread pools only add overhead
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+
+FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def examples(tmp_path_factory):
+    """name -> folder of each built-in tiny example (written once per test run)."""
+    from moepipe.examples import write_example
+
+    root = tmp_path_factory.mktemp("examples")
+    return {name: write_example(name, root / name) for name in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def hf_models(examples):
+    """name -> the transformers model of each example (float32, eval)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    return {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for name, path in examples.items()}

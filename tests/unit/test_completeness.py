@@ -1,0 +1,124 @@
+"""Every HF tensor is mapped or explicitly dropped; every TensorRT-LLM tensor is produced; and
+full-size models plan to the expected rank shapes without any weights (meta device)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+from moepipe.arch import get_family
+from moepipe.hf import open_hf_checkpoint
+from moepipe.mapping import Mapping
+from moepipe.st_io import CheckpointReader
+from moepipe.stages.convert import plan_conversion, unmapped_tensors
+
+FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+
+# TensorRT-LLM's per-layer parameter names for each family (models/{llama,qwen}/model.py).
+LAYER_TENSORS = {
+    "tiny-mixtral": {"input_layernorm.weight", "post_layernorm.weight", "attention.qkv.weight",
+                     "attention.dense.weight", "mlp.router.weight", "mlp.fc.weight",
+                     "mlp.proj.weight"},
+}
+LAYER_TENSORS["tiny-qwen2-moe"] = LAYER_TENSORS["tiny-mixtral"] | {
+    "attention.qkv.bias", "mlp.shared_expert.fc.weight", "mlp.shared_expert.proj.weight",
+    "mlp.shared_expert_gate.weight"}
+LAYER_TENSORS["tiny-qwen3-moe"] = LAYER_TENSORS["tiny-mixtral"] | {
+    "attention.q_layernorm.weight", "attention.k_layernorm.weight"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_tensor_mapped_and_produced(family, examples):
+    ckpt = open_hf_checkpoint(examples[family])
+    with CheckpointReader(ckpt.path) as reader:
+        plan = plan_conversion(ckpt.family, ckpt.spec, Mapping.create(tp=2, pp=2, moe_ep=2),
+                               "float32", reader)
+        assert unmapped_tensors(plan, reader.tensors, ckpt.family) == []
+        assert plan.sources == set(reader.tensors)
+    for rank, tensors in enumerate(plan.ranks):
+        names = {t.name for t in tensors}
+        per_layer = {n.split(".", 3)[3] for n in names if n.startswith("transformer.layers.")}
+        assert per_layer == LAYER_TENSORS[family]
+        first, last = rank // 2 == 0, rank // 2 == 1
+        assert ("transformer.vocab_embedding.weight" in names) == first
+        assert ("lm_head.weight" in names) == last and ("transformer.ln_f.weight" in names) == last
+        assert {n.split(".")[2] for n in names if n.startswith("transformer.layers.")} == {"0", "1"}
+
+
+class MetaReader:
+    """Shapes of a model built on the meta device (transformers' in-memory, fused-expert layout)."""
+
+    def __init__(self, model):
+        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    def has(self, name):
+        return name in self.shapes
+
+    def shape(self, name):
+        return self.shapes[name]
+
+
+def _meta(config):
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+MIXTRAL_8X7B = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                             num_local_experts=8, num_experts_per_tok=2,
+                             max_position_embeddings=32768, rope_theta=1e6)
+QWEN3_30B_A3B = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                               moe_intermediate_size=768, num_hidden_layers=48,
+                               num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                               num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                               max_position_embeddings=40960, rope_theta=1e6)
+
+
+def _plan(config, **mapping):
+    model = _meta(config)
+    spec = get_family(config.architectures[0]).spec(config.to_dict(), "meta")
+    family = get_family(config.architectures[0])
+    reader = MetaReader(model)
+    plan = plan_conversion(family, spec, Mapping.create(**mapping), "bfloat16", reader)
+    assert unmapped_tensors(plan, reader.shapes, family) == []
+    return plan
+
+
+def _shapes(plan, rank):
+    return {t.name: t.shape for t in plan.ranks[rank]}
+
+
+def test_mixtral_8x7b_shapes_on_meta_device():
+    MIXTRAL_8X7B.architectures = ["MixtralForCausalLM"]
+    plan = _plan(MIXTRAL_8X7B, tp=4, pp=2, moe_ep=2)
+    s = _shapes(plan, 0)
+    assert s["transformer.layers.0.attention.qkv.weight"] == ((32 + 2 * 8) * 128 // 4, 4096)
+    assert s["transformer.layers.0.attention.dense.weight"] == (4096, 1024)
+    assert s["transformer.layers.0.mlp.fc.weight"] == (4, 2 * 14336 // 2, 4096)
+    assert s["transformer.layers.0.mlp.proj.weight"] == (4, 4096, 14336 // 2)
+    assert s["transformer.layers.0.mlp.router.weight"] == (8, 4096)
+    assert s["transformer.vocab_embedding.weight"] == (32000, 4096)
+    assert "lm_head.weight" not in s and len([n for n in s if n.endswith("qkv.weight")]) == 16
+    last = _shapes(plan, 7)
+    assert last["lm_head.weight"] == (8000, 4096)
+    assert "transformer.layers.15.mlp.fc.weight" in last
+    dtypes = {t.name: t.dtype for t in plan.ranks[0]}
+    assert dtypes["transformer.layers.0.mlp.router.weight"].name == "F32"
+    assert dtypes["transformer.layers.0.mlp.fc.weight"].name == "BF16"
+    # 46.7B parameters in all, ~87 GB of bf16 weights across the 8 ranks
+    total = sum(plan.rank_bytes(r) for r in range(8))
+    assert 85e9 < total < 95e9
+
+
+def test_qwen3_30b_a3b_shapes_on_meta_device():
+    QWEN3_30B_A3B.architectures = ["Qwen3MoeForCausalLM"]
+    plan = _plan(QWEN3_30B_A3B, tp=8, moe_ep=8)
+    s = _shapes(plan, 3)
+    # 4 KV heads over tp=8: each rank gets one duplicated KV head
+    assert s["transformer.layers.0.attention.qkv.weight"] == ((32 // 8 + 2) * 128, 2048)
+    assert s["transformer.layers.0.attention.dense.weight"] == (2048, 512)
+    assert s["transformer.layers.0.attention.q_layernorm.weight"] == (128,)
+    assert s["transformer.layers.0.mlp.fc.weight"] == (16, 2 * 768, 2048)
+    assert s["transformer.layers.0.mlp.proj.weight"] == (16, 2048, 768)
+    assert s["transformer.layers.0.mlp.router.weight"] == (128, 2048)
+    assert s["lm_head.weight"] == (151936 // 8, 2048)
+    assert plan.config()["moe"]["normalization_mode"] == 1
