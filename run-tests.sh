@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test suite (CPU). Creates .venv, installs moepipe (non-editable) with its test tools,
+# then runs pytest; GPU tests are skipped visibly on machines without one.
+set -euo pipefail
+cd "$(dirname "$0")"
+scripts/bootstrap.sh
+.venv/bin/python -m ruff check pipeline tests benchmarks
+exec .venv/bin/python -m pytest -ra "$@"
