@@ -6,10 +6,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moepipe.config import MoepipeConfig, load_config
+from moepipe.errors import MoepipeError
 from moepipe.mapping import Mapping
 
 
-def model_dir(cfg: MoepipeConfig) -> Path:
+def model_dir(cfg: MoepipeConfig, create: bool = True) -> Path:
     """The HF checkpoint folder of the config (writing the built-in example if needed)."""
     if cfg.model.path is not None:
         return cfg.model.path
@@ -17,6 +18,9 @@ def model_dir(cfg: MoepipeConfig) -> Path:
 
     path = cfg.workdir / "models" / cfg.model.example
     if not (path / "config.json").is_file():
+        if not create:
+            raise MoepipeError(f"{path}: the example has not been built",
+                               "run `moepipe build` first")
         path.parent.mkdir(parents=True, exist_ok=True)
         write_example(cfg.model.example, path, overwrite=path.exists())
     return path

@@ -153,6 +153,71 @@ def build(config: Path | None = ConfigOpt) -> None:
     run_build(config, echo=_echo)
 
 
+@app.command()
+def deploy(config: Path | None = ConfigOpt) -> None:
+    """Render the Triton model repository; for the cpu target start a local Triton server."""
+    from moepipe.config import load_config
+    from moepipe.stages.deploy import run_deploy
+
+    run_deploy(load_config(config), echo=_echo)
+
+
+@app.command()
+def stop(config: Path | None = ConfigOpt) -> None:
+    """Stop the workdir's Triton server by PID (graceful, then forced)."""
+    from moepipe.config import load_config
+    from moepipe.deploy import server
+    from moepipe.stages.deploy import state_dir
+
+    cfg = load_config(config)
+    res = server.stop(state_dir(cfg), grace=cfg.deploy.exit_timeout_s + 10)
+    how = "" if res["graceful"] else " (forced)"
+    _echo(f"stopped tritonserver pid {res['pid']}{how}" if res["was_running"]
+          else f"tritonserver pid {res['pid']} was not running; cleared its record")
+
+
+@app.command()
+def status(config: Path | None = ConfigOpt,
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Is the workdir's Triton server running, and where."""
+    from moepipe.config import load_config
+    from moepipe.deploy import server
+    from moepipe.stages.deploy import state_dir
+
+    info = server.status(state_dir(load_config(config)))
+    if as_json:
+        typer.echo(json.dumps(info))
+    elif info["running"]:
+        typer.echo(f"running  pid {info['pid']}  http {info['http']}  grpc {info['grpc']}  "
+                   f"metrics {info['metrics']}")
+    else:
+        typer.echo("not running")
+
+
+@app.command()
+def serve(repository: Path = typer.Argument(..., help="A rendered model repository."),
+          host: str = typer.Option("127.0.0.1", "--host"),
+          http_port: int = typer.Option(8000, "--http-port"),
+          grpc_port: int = typer.Option(8001, "--grpc-port"),
+          metrics_port: int = typer.Option(8002, "--metrics-port"),
+          timeout: float = typer.Option(180.0, "--timeout", help="Seconds to wait for ready.")
+          ) -> None:
+    """Run a rendered repository in the foreground (Ctrl-C stops it cleanly)."""
+    from moepipe.deploy import server
+
+    if not (repository / "ensemble" / "config.pbtxt").is_file():
+        raise MoepipeError(f"{repository}: not a rendered model repository (no ensemble)",
+                           "pass <deploy>/model_repo as written by `moepipe deploy`")
+    state = server.start(repository.resolve(), repository.resolve().parent / ".serve",
+                         host=host, http_port=http_port, grpc_port=grpc_port,
+                         metrics_port=metrics_port, timeout=timeout, foreground=True)
+    _echo(f"serving {repository} (pid {state.pid}): http {state.http}, grpc {state.grpc}, "
+          f"metrics {state.metrics}; log {state.log}. Ctrl-C to stop.")
+    code = server.wait(state)
+    (repository.resolve().parent / ".serve" / server.STATE_FILE).unlink(missing_ok=True)
+    raise typer.Exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=False)
@@ -160,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         if _state["debug"]:
             raise
         typer.echo(f"error: {e.message}" + (f" (hint: {e.hint})" if e.hint else ""), err=True)
+        if e.details:
+            typer.echo(e.details, err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)

@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from moepipe.errors import ConfigError
 
 DEFAULT_CONFIG = "moepipe.yaml"
+DEFAULT_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "It was the best of times, it was the worst of times,",
+    "A Lion lay asleep in the forest, his great head resting on his paws.",
+]
 TARGETS = ("cpu", "trtllm-engine", "trtllm-pytorch")
 Target = Literal["cpu", "trtllm-engine", "trtllm-pytorch"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
@@ -57,11 +62,75 @@ class ConvertSection(Section):
     workers: int = Field(1, ge=1, description="Ranks converted in parallel.")
 
 
+class BuildSection(Section):
+    """Serving limits: the engine is built for them (trtllm-engine) and the CPU runtime
+    allocates its KV cache from them."""
+
+    max_batch_size: int = Field(8, ge=1, le=4096, description="Requests batched together.")
+    max_input_len: int = Field(1024, ge=1, description="Longest prompt, in tokens.")
+    max_seq_len: int = Field(2048, ge=2, description="Prompt + generated tokens, per request.")
+    max_num_tokens: int = Field(8192, ge=1, description="Tokens per engine step (trtllm).")
+
+    @model_validator(mode="after")
+    def _input_fits(self):
+        if self.max_input_len >= self.max_seq_len:
+            raise ValueError(f"max_input_len ({self.max_input_len}) must be smaller than "
+                             f"max_seq_len ({self.max_seq_len})")
+        return self
+
+
+class DeploySection(Section):
+    output: Path | None = Field(None, description="Deployment folder (default <workdir>/deploy):"
+                                                  " model_repo/, tokenizer/, launch files.")
+    host: str = Field("127.0.0.1", description="Address the server binds (loopback by default).")
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(8001, ge=1, le=65535)
+    metrics_port: int = Field(8002, ge=1, le=65535)
+    decoupled: bool = Field(True, description="Decoupled transaction policy (needed for "
+                                              "streaming; gRPC clients then use the stream API).")
+    exclude_input_in_output: bool = Field(True, description="Return only generated tokens.")
+    add_special_tokens: bool = Field(True, description="Tokenizer adds BOS/EOS like "
+                                                       "tokenizer(text) does.")
+    skip_special_tokens: bool = Field(True)
+    accumulate_tokens: bool = Field(True, description="BLS streaming decodes all tokens so far.")
+    max_queue_delay_microseconds: int = Field(0, ge=0)
+    max_queue_size: int = Field(0, ge=0, description="0 = unlimited.")
+    instance_count: int = Field(1, ge=1, description="Pre/postprocessing and BLS instances.")
+    cpu_threads: int = Field(1, ge=1, description="torch threads of the cpu target's engine.")
+    ready_timeout_s: float = Field(180.0, gt=0, description="How long deploy waits for ready.")
+    exit_timeout_s: int = Field(30, ge=1, description="Grace period for in-flight requests.")
+    tritonserver: Path | None = Field(None, description="tritonserver binary (default: PATH, "
+                                                        "else the one in nvidia-pytriton).")
+
+    @model_validator(mode="after")
+    def _distinct_ports(self):
+        ports = [self.http_port, self.grpc_port, self.metrics_port]
+        if len(set(ports)) != 3:
+            raise ValueError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
+        return self
+
+
+class ValidateSection(Section):
+    url: str | None = Field(None, description="HTTP endpoint (default: the local deployment).")
+    grpc_url: str | None = Field(None, description="gRPC endpoint host:port.")
+    jobs: list[Literal["smoke", "accuracy"]] = Field(["smoke", "accuracy"])
+    prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    min_token_agreement: float = Field(
+        1.0, ge=0, le=1, description="accuracy: fraction of greedy tokens that must equal "
+                                     "Hugging Face's (1.0 = identical, right for float32).")
+    timeout_s: float = Field(120.0, gt=0)
+
+
 class MoepipeConfig(Section):
     model: ModelSection
     target: Target = Field("cpu", description="cpu | trtllm-engine | trtllm-pytorch")
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     convert: ConvertSection = Field(default_factory=ConvertSection)
+    build: BuildSection = Field(default_factory=BuildSection)
+    deploy: DeploySection = Field(default_factory=DeploySection)
+    # `validate` would shadow pydantic's BaseModel.validate; the YAML key is still `validate`.
+    validation: ValidateSection = Field(default_factory=ValidateSection, alias="validate")
     workdir: Path = Field(Path("moepipe-work"), description="Where build outputs, logs and "
                                                              "reports go.")
 
@@ -77,7 +146,13 @@ class MoepipeConfig(Section):
             self.model.path = (base / self.model.path).resolve()
         if not self.workdir.is_absolute():
             self.workdir = (base / self.workdir).resolve()
+        if self.deploy.output is not None and not self.deploy.output.is_absolute():
+            self.deploy.output = (base / self.deploy.output).resolve()
         return self
+
+    @property
+    def deploy_dir(self) -> Path:
+        return self.deploy.output or self.workdir / "deploy"
 
 
 def _line_of(text: str, loc: tuple) -> int | None:
@@ -104,6 +179,11 @@ def _line_of(text: str, loc: tuple) -> int | None:
     return line
 
 
+def _keys(model: type[BaseModel]) -> dict[str, Any]:
+    """YAML key -> field of a section (aliases where a field has one)."""
+    return {(f.alias or name): f for name, f in model.model_fields.items()}
+
+
 def _describe(err: dict[str, Any], model: type[BaseModel]) -> str:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     path = ".".join(str(p) for p in loc) or "(top level)"
@@ -111,12 +191,12 @@ def _describe(err: dict[str, Any], model: type[BaseModel]) -> str:
     if kind == "extra_forbidden":
         parent = model
         for part in loc[:-1]:
-            field = parent.model_fields.get(str(part))
+            field = _keys(parent).get(str(part))
             ann = field.annotation if field else None
             parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
             if parent is None:
                 break
-        valid = f"; valid keys: {', '.join(parent.model_fields)}" if parent else ""
+        valid = f"; valid keys: {', '.join(_keys(parent))}" if parent else ""
         return f"{path}: unknown key{valid}"
     if kind == "literal_error":
         choices = err["msg"].replace("Input should be", "choose")
@@ -194,6 +274,29 @@ parallel:
 convert:
   # Ranks converted in parallel (each holds about one expert slice in memory).
   workers: 1
+
+# Serving limits: TensorRT engines are built for them; the cpu target sizes its KV cache by them.
+build:
+  max_batch_size: 8
+  max_input_len: 1024
+  max_seq_len: 2048
+
+deploy:
+  # The server binds to loopback; set 0.0.0.0 only behind your own network controls.
+  host: 127.0.0.1
+  http_port: 8000
+  grpc_port: 8001
+  metrics_port: 8002
+  # Decoupled mode is what streaming needs (gRPC clients use the stream API, HTTP clients
+  # /generate and /generate_stream).
+  decoupled: true
+
+validate:
+  # smoke: health, metadata, one request per protocol; accuracy: greedy tokens vs transformers.
+  jobs: [smoke, accuracy]
+  max_tokens: 16
+  # Fraction of greedy tokens that must equal Hugging Face's (1.0 for float32 weights).
+  min_token_agreement: 1.0
 
 # Build outputs, server logs, pid file and validation reports.
 workdir: moepipe-work

@@ -13,10 +13,11 @@ class MoepipeError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, hint: str | None = None):
+    def __init__(self, message: str, hint: str | None = None, details: str | None = None):
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.details = details  # extra context printed after the one-line error (log tails)
 
     def __str__(self) -> str:
         if self.hint:

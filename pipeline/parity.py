@@ -10,11 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DEFAULT_PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "It was the best of times, it was the worst of times,",
-    "A Lion lay asleep in the forest, his great head resting on his paws.",
-]
+from moepipe.config import DEFAULT_PROMPTS
 
 
 @dataclass

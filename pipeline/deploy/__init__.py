@@ -1,0 +1,1 @@
+"""Deploy: Triton model repositories for every target, and the local Triton server."""

@@ -1,0 +1,94 @@
+"""A generation request and the logits processing TensorRT-LLM applies to it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moepipe.runtime.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (reported to the client as INVALID_ARG)."""
+
+
+@dataclass
+class GenerationRequest:
+    prompt: list[int]
+    max_new_tokens: int
+    end_id: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_words: list[list[int]] = field(default_factory=list)
+    bad_words: list[list[int]] = field(default_factory=list)
+    embedding_bias: torch.Tensor | None = None
+    return_log_probs: bool = False
+    streaming: bool = False
+    # Called from the engine thread: (new tokens, their log-probs, finished) per step when
+    # streaming, once with everything when not; on_error(message) ends the request.
+    on_tokens: Callable[[list[int], list[float], bool], None] = lambda t, lp, f: None
+    on_error: Callable[[str], None] = lambda msg: None
+    is_cancelled: Callable[[], bool] = lambda: False
+    # engine state
+    generated: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    slot: int = -1
+
+    def validate(self, vocab_size: int, max_input_len: int, max_seq_len: int) -> None:
+        if not self.prompt:
+            raise RequestError("the prompt is empty")
+        if self.max_new_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_new_tokens}")
+        if len(self.prompt) > max_input_len:
+            raise RequestError(f"the prompt has {len(self.prompt)} tokens; the limit is "
+                               f"max_input_len={max_input_len}")
+        if len(self.prompt) + self.max_new_tokens > max_seq_len:
+            raise RequestError(
+                f"prompt ({len(self.prompt)} tokens) + max_tokens ({self.max_new_tokens}) "
+                f"exceeds max_seq_len={max_seq_len}")
+        bad = [t for t in self.prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        if self.sampling.temperature < 0 or not 0 < self.sampling.top_p <= 1:
+            raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.sampling.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.sampling.top_k}")
+
+    def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Embedding bias, penalties, bad words and min_tokens, as TensorRT-LLM's sampling
+        layers apply them."""
+        if self.embedding_bias is not None:
+            n = min(self.embedding_bias.numel(), logits.numel())
+            logits[:n] += self.embedding_bias[:n]
+        if (self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty) \
+                and (self.prompt or self.generated):
+            seen = torch.tensor(self.prompt + self.generated)
+            counts = torch.bincount(seen, minlength=logits.numel())[: logits.numel()]
+            present = counts > 0
+            if self.repetition_penalty != 1.0:
+                penalized = torch.where(logits > 0, logits / self.repetition_penalty,
+                                        logits * self.repetition_penalty)
+                logits = torch.where(present, penalized, logits)
+            out_counts = torch.bincount(torch.tensor(self.generated, dtype=torch.long),
+                                        minlength=logits.numel())[: logits.numel()] \
+                if self.generated else torch.zeros_like(counts)
+            logits = logits - self.presence_penalty * (out_counts > 0) \
+                - self.frequency_penalty * out_counts
+        for word in self.bad_words:
+            if len(word) == 1 or self.generated[-(len(word) - 1):] == word[:-1]:
+                logits[word[-1]] = float("-inf")
+        if self.end_id is not None and len(self.generated) < self.min_tokens:
+            logits[self.end_id] = float("-inf")
+        return logits
+
+    def finished(self) -> bool:
+        if len(self.generated) >= self.max_new_tokens:
+            return True
+        if self.end_id is not None and self.generated and self.generated[-1] == self.end_id:
+            return True
+        return any(self.generated[-len(w):] == w for w in self.stop_words if w)
