@@ -218,6 +218,27 @@ def serve(repository: Path = typer.Argument(..., help="A rendered model reposito
     raise typer.Exit(code)
 
 
+@app.command()
+def validate(config: Path | None = ConfigOpt,
+             url: str | None = typer.Option(None, "--url", help="HTTP endpoint host:port."),
+             grpc_url: str | None = typer.Option(None, "--grpc-url",
+                                                 help="gRPC endpoint host:port."),
+             job: list[str] | None = typer.Option(None, "--job",
+                                                  help="Run only these jobs (repeatable).")
+             ) -> None:
+    """Run the validation jobs against the live endpoint; JSON + JUnit XML reports."""
+    from moepipe.config import load_config
+    from moepipe.validate.jobs import JOBS
+    from moepipe.validate.runner import run_validate
+
+    for name in job or []:
+        if name not in JOBS:
+            raise MoepipeError(f"unknown job '{name}'", f"choose from {', '.join(JOBS)}")
+    report, _ = run_validate(load_config(config), url, grpc_url, job, echo=_echo)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=False)

@@ -1,0 +1,133 @@
+"""Small Triton clients for moepipe deployments (used by validate, tests and benchmarks).
+
+HTTP uses Triton's generate extension (``/generate``, ``/generate_stream``); gRPC uses the
+stream API, which decoupled models require even for a single response.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class ClientError(RuntimeError):
+    """The server answered with an error (message as the server gave it)."""
+
+
+def _http_base(url: str) -> str:
+    return url if url.startswith("http") else f"http://{url}"
+
+
+def http_json(url: str, path: str, payload: dict | None = None, timeout: float = 60) -> dict:
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(_http_base(url) + path, data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            raise ClientError(json.loads(body).get("error", body.decode())) from None
+        except json.JSONDecodeError:
+            raise ClientError(f"HTTP {e.code}: {body[:200]!r}") from None
+    out = json.loads(body) if body else {}
+    if isinstance(out, dict) and "error" in out:
+        raise ClientError(out["error"])
+    return out
+
+
+def generate(url: str, model: str, payload: dict, timeout: float = 60) -> dict:
+    return http_json(url, f"/v2/models/{model}/generate", payload, timeout)
+
+
+def generate_stream(url: str, model: str, payload: dict, timeout: float = 60) -> list[dict]:
+    """All SSE events of one ``/generate_stream`` request (errors in any chunk raise)."""
+    req = urllib.request.Request(_http_base(url) + f"/v2/models/{model}/generate_stream",
+                                 data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if line.startswith("data:"):
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        raise ClientError(event["error"])
+                    events.append(event)
+    except urllib.error.HTTPError as e:
+        body = e.read().decode()
+        for line in body.splitlines():
+            if line.startswith("data:"):
+                raise ClientError(json.loads(line[5:]).get("error", line)) from None
+        raise ClientError(f"HTTP {e.code}: {body[:200]}") from None
+    return events
+
+
+@dataclass
+class GrpcResult:
+    outputs: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+    def concat(self, name: str) -> np.ndarray:
+        return np.concatenate([o[name].reshape(-1) for o in self.outputs if name in o])
+
+
+_NP = {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32",
+       np.dtype(np.bool_): "BOOL", np.dtype(np.uint64): "UINT64", np.dtype(object): "BYTES"}
+
+
+def grpc_infer(url: str, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
+               timeout: float = 60) -> GrpcResult:
+    """One request over a gRPC stream; collects every response until the final one."""
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+
+    def callback(result=None, error=None):
+        results.put((result, error))
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        tensors = []
+        for name, arr in inputs.items():
+            t = grpcclient.InferInput(name, list(arr.shape), _NP[arr.dtype])
+            t.set_data_from_numpy(arr)
+            tensors.append(t)
+        client.start_stream(callback=callback, stream_timeout=timeout)
+        client.async_stream_infer(model, tensors,
+                                  outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
+                                  enable_empty_final_response=True)
+        out = GrpcResult()
+        while True:
+            try:
+                result, error = results.get(timeout=timeout)
+            except queue.Empty:
+                raise ClientError(f"no response from {model} within {timeout:.0f}s") from None
+            if error is not None:
+                raise ClientError(str(error))
+            response = result.get_response()
+            got = {o.name: result.as_numpy(o.name) for o in response.outputs}
+            if got:
+                out.outputs.append(got)
+            if response.parameters.get("triton_final_response") is not None and \
+                    response.parameters["triton_final_response"].bool_param:
+                return out
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def text_inputs(prompt: str, max_tokens: int, **extra) -> dict[str, np.ndarray]:
+    """Ensemble inputs for one prompt, shaped [1, ...] (batch of one)."""
+    inputs = {"text_input": np.array([[prompt.encode()]], dtype=object),
+              "max_tokens": np.array([[max_tokens]], dtype=np.int32)}
+    for name, value in extra.items():
+        dtype = {bool: np.bool_, int: np.int32, float: np.float32}[type(value)]
+        inputs[name] = np.array([[value]], dtype=dtype)
+    return inputs

@@ -1,0 +1,1 @@
+"""Validation jobs against a live endpoint, with JSON and JUnit XML reports."""
