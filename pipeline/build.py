@@ -30,6 +30,10 @@ def checkpoint_dir(cfg: MoepipeConfig) -> Path:
     return cfg.workdir / "checkpoint"
 
 
+def engine_dir(cfg: MoepipeConfig) -> Path:
+    return cfg.workdir / "engine"
+
+
 def run_build(config: Path | None, echo: Callable[[str], None] = print) -> None:
     from moepipe.stages.convert import convert
     from moepipe.stages.inspect import format_inspection, inspect_checkpoint

@@ -79,6 +79,49 @@ class BuildSection(Section):
         return self
 
 
+class TrtllmDeploySection(Section):
+    """Serving knobs of the GPU targets, with TensorRT-LLM 1.2's defaults. ``trtllm-engine``
+    renders them as ``tensorrt_llm`` parameters, ``trtllm-pytorch`` as LLM-API arguments;
+    a field that is None is left out (TensorRT-LLM then uses its own default)."""
+
+    batching_strategy: Literal["inflight_fused_batching", "V1"] = Field(
+        "inflight_fused_batching", description="trtllm-engine gpt_model_type: in-flight "
+                                               "batching, or V1 (static batches).")
+    batch_scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
+        "guaranteed_no_evict", description="guaranteed_no_evict never pauses a started "
+                                           "request; max_utilization packs more requests.")
+    max_beam_width: int = Field(1, ge=1, description="Widest beam a request may ask for (at "
+                                                     "most the engine's).")
+    kv_cache_free_gpu_mem_fraction: float = Field(
+        0.9, gt=0, le=1, description="Fraction of the GPU memory left after loading the "
+                                     "weights that the KV cache may take.")
+    max_tokens_in_paged_kv_cache: int | None = Field(
+        None, ge=1, description="Cap on KV-cache tokens (unset: sized by the fraction alone).")
+    max_attention_window_size: int | None = Field(
+        None, ge=1, description="Tokens attended per step (unset: max_seq_len).")
+    enable_kv_cache_reuse: bool = Field(True, description="Reuse KV blocks of shared prompt "
+                                                          "prefixes.")
+    enable_chunked_context: bool = Field(False, description="Split long prompts into chunks "
+                                                            "(chunked prefill).")
+    normalize_log_probs: bool = Field(True, description="trtllm-engine: normalise "
+                                                        "output_log_probs.")
+    decoding_mode: Literal["top_k", "top_p", "top_k_top_p", "beam_search"] | None = Field(
+        None, description="trtllm-engine (unset: top_k_top_p, or beam_search when "
+                          "max_beam_width > 1).")
+    cancellation_check_period_ms: int = Field(
+        100, ge=1, description="trtllm-engine: how often cancelled requests are looked for.")
+    stats_check_period_ms: int = Field(
+        100, ge=1, description="trtllm-engine: how often statistics are collected.")
+    iter_stats_max_iterations: int = Field(
+        1000, ge=0, description="trtllm-engine: iterations of statistics kept.")
+    request_stats_max_iterations: int = Field(
+        0, ge=0, description="trtllm-engine: iterations of per-request statistics kept.")
+    moe_backend: Literal["CUTLASS", "CUTEDSL", "WIDEEP", "TRTLLM", "DEEPGEMM", "VANILLA",
+                         "TRITON"] = Field(
+        "CUTLASS", description="trtllm-pytorch: moe_config.backend (CUTLASS: TensorRT-LLM "
+                               "1.0's default).")
+
+
 class DeploySection(Section):
     output: Path | None = Field(None, description="Deployment folder (default <workdir>/deploy):"
                                                   " model_repo/, tokenizer/, launch files.")
@@ -101,6 +144,8 @@ class DeploySection(Section):
     exit_timeout_s: int = Field(30, ge=1, description="Grace period for in-flight requests.")
     tritonserver: Path | None = Field(None, description="tritonserver binary (default: PATH, "
                                                         "else the one in nvidia-pytriton).")
+    trtllm: TrtllmDeploySection = Field(default_factory=TrtllmDeploySection,
+                                        description="GPU targets' TensorRT-LLM serving knobs.")
 
     @model_validator(mode="after")
     def _distinct_ports(self):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from moepipe import __version__
 from moepipe.config import MoepipeConfig
+from moepipe.deploy.gpu_targets import engine_values, pytorch_values
 from moepipe.deploy.render import check_repository, render_tree, templates_root
 from moepipe.errors import MoepipeError
 from moepipe.fsutil import atomic_dir
@@ -74,6 +75,8 @@ def cpu_values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
 # target -> function giving the tensorrt_llm model's values (other targets register here).
 TARGET_VALUES: dict[str, Callable[[MoepipeConfig, Artifacts, Path], dict[str, str]]] = {
     "cpu": cpu_values,
+    "trtllm-engine": engine_values,
+    "trtllm-pytorch": pytorch_values,
 }
 
 

@@ -23,6 +23,9 @@ from moepipe.mapping import stage_layers
 from moepipe.routing import RouteFn, route
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
 
+# Above this many gathered weight elements per MoE call, loop over experts instead.
+GATHER_LIMIT = 1 << 22
+
 
 @dataclass
 class RankLayer:
@@ -174,11 +177,17 @@ class ReferenceModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         h = self.embedding[batch.tokens]
+        decode = None
+        if cache is not None and all(n == 1 for n in batch.seq_lens):
+            past = torch.tensor(batch.past_lens)
+            length = int(past.max()) + 1
+            decode = (torch.tensor(batch.slots), past, length,
+                      (torch.arange(length)[None, :] <= past[:, None])[:, None, None, :])
         for layer in self.layers:
             x = rms_norm(h, layer.input_norm, self.eps)
             attn = torch.zeros_like(h)
             for r, w in enumerate(layer.ranks):
-                attn += self._attention(x, w, layer.index, r, cos, sin, batch, cache)
+                attn += self._attention(x, w, layer.index, r, cos, sin, batch, cache, decode)
             h = h + attn
             x = rms_norm(h, layer.post_norm, self.eps)
             h = h + self._moe(x, layer)
@@ -190,7 +199,7 @@ class ReferenceModel:
         return logits[:, : self.vocab_size]
 
     def _attention(self, x, w: RankLayer, layer: int, rank: int, cos, sin, batch: Batch,
-                   cache: KVCache | None) -> torch.Tensor:
+                   cache: KVCache | None, decode: tuple | None) -> torch.Tensor:
         hd = self.head_size
         qkv = x @ w.qkv.T
         if w.qkv_bias is not None:
@@ -204,8 +213,8 @@ class ReferenceModel:
             k = rms_norm(k, w.k_norm, self.eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if cache is not None and all(n == 1 for n in batch.seq_lens):
-            out = self._decode_attention(q, k, v, layer, rank, batch, cache)
+        if decode is not None:
+            out = self._decode_attention(q, k, v, layer, rank, cache, decode)
         else:
             out = self._prefill_attention(q, k, v, layer, rank, batch, cache)
         return out.reshape(-1, w.heads * hd) @ w.dense.T
@@ -227,15 +236,12 @@ class ReferenceModel:
             outs.append(o.transpose(0, 1))
         return torch.cat(outs, dim=0)
 
-    def _decode_attention(self, q, k, v, layer, rank, batch, cache):
+    def _decode_attention(self, q, k, v, layer, rank, cache, decode):
         kc, vc = cache.k[layer][rank], cache.v[layer][rank]
-        slots = torch.tensor(batch.slots)
-        past = torch.tensor(batch.past_lens)
+        slots, past, length, mask = decode
         kc[slots, :, past] = k
         vc[slots, :, past] = v
-        length = int(past.max()) + 1
         keys, values = kc[slots, :, :length], vc[slots, :, :length]
-        mask = (torch.arange(length)[None, :] <= past[:, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
                                            enable_gqa=True)
         return o[:, :, 0, :]
@@ -246,6 +252,9 @@ class ReferenceModel:
         flat = ids.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.expert_tokens[layer.index] += counts
+        w0 = layer.ranks[0]
+        if flat.numel() * (w0.fc[0].numel() + w0.proj[0].numel()) <= GATHER_LIMIT:
+            return self._moe_gathered(x, layer, ids, weights)
         order = torch.argsort(flat, stable=True)
         token_of = order // ids.shape[1]
         weight_of = weights.reshape(-1)[order]
@@ -260,8 +269,30 @@ class ReferenceModel:
                 up, gate = (x[idx] @ w.fc[local].T).chunk(2, dim=-1)
                 y = (F.silu(gate) * up) @ w.proj[local].T
                 out.index_add_(0, idx, y * weight_of[start:stop, None])
-            if w.shared_fc is not None:
-                up, gate = (x @ w.shared_fc.T).chunk(2, dim=-1)
-                shared = (F.silu(gate) * up) @ w.shared_proj.T
-                out += torch.sigmoid(x @ layer.shared_gate.T) * shared
+            self._shared_expert(x, layer, w, out)
         return out
+
+    def _moe_gathered(self, x, layer: Layer, ids, weights) -> torch.Tensor:
+        """Few tokens (decode): gather each (token, expert) pair's weights and use one batched
+        matmul per projection instead of a loop over experts."""
+        out = torch.zeros_like(x)
+        k = ids.shape[1]
+        for w in layer.ranks:
+            local = ids - w.experts.start
+            mine = (local >= 0) & (local < len(w.experts))
+            pairs = mine.nonzero()
+            if pairs.numel():
+                tok, slot = pairs[:, 0], pairs[:, 1]
+                experts = local[tok, slot]
+                up, gate = torch.bmm(w.fc[experts], x[tok, :, None])[..., 0].chunk(2, dim=-1)
+                y = torch.bmm(w.proj[experts], (F.silu(gate) * up)[..., None])[..., 0]
+                out.index_add_(0, tok, y * weights.reshape(-1)[tok * k + slot, None])
+            self._shared_expert(x, layer, w, out)
+        return out
+
+    @staticmethod
+    def _shared_expert(x, layer: Layer, w: RankLayer, out: torch.Tensor) -> None:
+        if w.shared_fc is not None:
+            up, gate = (x @ w.shared_fc.T).chunk(2, dim=-1)
+            shared = (F.silu(gate) * up) @ w.shared_proj.T
+            out += torch.sigmoid(x @ layer.shared_gate.T) * shared

@@ -20,12 +20,14 @@ from moepipe.runtime.sampling import sample
 from moepipe.serving.request import GenerationRequest, RequestError
 
 log = logging.getLogger("moepipe")
+# Cancellation is asked of each request's sender (a call into the server): every few steps.
+CANCEL_CHECK_STEPS = 8
 
 
 class Engine:
     def __init__(self, model: ReferenceModel, max_batch_size: int, max_seq_len: int,
                  max_input_len: int | None = None,
-                 on_step: Callable[[ReferenceModel], None] | None = None):
+                 on_step: Callable[[ReferenceModel, bool], None] | None = None):
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -92,7 +94,8 @@ class Engine:
 
     def step(self) -> None:
         """Admit what fits, prefill it, then decode one token for every running request."""
-        self._drop_cancelled()
+        if self.steps % CANCEL_CHECK_STEPS == 0:
+            self._drop_cancelled()
         admitted = []
         while self._waiting and self._free:
             req = self._waiting.pop(0)
@@ -115,13 +118,17 @@ class Engine:
             self._advance(decoding, logits)
         self._running = [r for r in self._running if r.slot >= 0]
         self.steps += 1
-        if self.on_step is not None:
-            self.on_step(self.model)
+        if self.on_step is not None:  # told whether the engine is now idle
+            self.on_step(self.model, not self._running and not self._waiting)
 
     def _advance(self, reqs: list[GenerationRequest], logits: torch.Tensor) -> None:
-        for req, row in zip(reqs, logits, strict=True):
-            row = req.process_logits(row.clone())
-            token = sample(row, req.sampling, self._generators[req.slot])
+        greedy = logits.argmax(dim=-1).tolist()  # the common case, for the whole batch at once
+        for req, row, best in zip(reqs, logits, greedy, strict=True):
+            if req.plain_greedy:
+                token = best
+            else:
+                row = req.process_logits(row.clone())
+                token = sample(row, req.sampling, self._generators[req.slot])
             req.generated.append(token)
             if req.return_log_probs:
                 lp = torch.log_softmax(row.float(), dim=-1)[token].item()

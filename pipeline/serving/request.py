@@ -59,6 +59,15 @@ class GenerationRequest:
         if self.sampling.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.sampling.top_k}")
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply to the logits: argmax of the raw logits is the token."""
+        return (self.sampling.greedy and not self.return_log_probs
+                and self.embedding_bias is None and not self.bad_words
+                and self.repetition_penalty == 1.0 and not self.presence_penalty
+                and not self.frequency_penalty
+                and not (self.end_id is not None and self.min_tokens > len(self.generated)))
+
     def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Embedding bias, penalties, bad words and min_tokens, as TensorRT-LLM's sampling
         layers apply them."""

@@ -18,15 +18,41 @@ def state_dir(cfg: MoepipeConfig) -> Path:
 
 def artifacts(cfg: MoepipeConfig) -> Artifacts:
     """What `moepipe build` left in the workdir for this config."""
-    from moepipe.build import checkpoint_dir, model_dir
+    from moepipe.build import checkpoint_dir, engine_dir, model_dir
+    from moepipe.hf import open_hf_checkpoint
 
     model = model_dir(cfg, create=False)
     ckpt = checkpoint_dir(cfg)
-    if not (ckpt / "config.json").is_file():
+    have_ckpt = (ckpt / "config.json").is_file()
+    if cfg.target == "cpu" and not have_ckpt:
         raise MoepipeError(f"{ckpt}: no converted checkpoint", "run `moepipe build` first")
-    trt = json.loads((ckpt / "config.json").read_text())
-    return Artifacts(model_dir=model, checkpoint_dir=ckpt, vocab_size=int(trt["vocab_size"]),
-                     world_size=int(trt["mapping"]["world_size"]))
+    engine = engine_dir(cfg)
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"] if have_ckpt \
+        else open_hf_checkpoint(model).spec.vocab_size
+    return Artifacts(model_dir=model, checkpoint_dir=ckpt if have_ckpt else None,
+                     engine_dir=engine if (engine / "config.json").is_file() else None,
+                     hf_serving_dir=model, vocab_size=int(vocab))
+
+
+def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:
+    from moepipe.versions import TRITON_TRTLLM_CONTAINER
+
+    out = repo.parent
+    lines = [f"deploy: the {cfg.target} target runs on NVIDIA GPUs inside "
+             f"{TRITON_TRTLLM_CONTAINER} (TensorRT-LLM is not installed here), so no server "
+             "was started."]
+    if cfg.target == "trtllm-engine":
+        if art.engine_dir is None:
+            lines.append(f"  the engine is not built yet: run `moepipe build` on the GPU "
+                         f"machine (it writes {cfg.workdir / 'engine'})")
+        lines.append(f"  then, in the container: bash {out / 'launch.sh'}  (one MPI rank per "
+                     "GPU; it checks the engine's world size, the GPUs and the TensorRT-LLM "
+                     "version before starting)")
+    else:
+        lines.append(f"  in the container: tritonserver --model-repository {repo} "
+                     f"--http-address {cfg.deploy.host} --http-port {cfg.deploy.http_port}")
+    lines.append("  then: moepipe validate --url HOST:PORT --grpc-url HOST:PORT")
+    return "\n".join(lines)
 
 
 def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
@@ -35,9 +61,11 @@ def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
         raise MoepipeError(f"a server is already running for this workdir (pid "
                            f"{current['pid']}, http {current['http']})",
                            "run `moepipe stop` first")
-    repo = render_deployment(cfg, artifacts(cfg))
+    art = artifacts(cfg)
+    repo = render_deployment(cfg, art)
     echo(f"deploy: rendered {cfg.target} repository at {repo}")
     if cfg.target != "cpu":
+        echo(_gpu_instructions(cfg, art, repo))
         return {"repository": str(repo), "started": False}
     d = cfg.deploy
     state = server.start(repo, state_dir(cfg), host=d.host, http_port=d.http_port,

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -165,10 +166,16 @@ def test_expert_load_metrics(deployment, reference):
     before, _ = _metrics(metrics)
     ids, want, _ = reference[PROMPTS[0]]
     client.grpc_infer(ep.grpc, "tensorrt_llm", _llm_inputs(ids), ["output_ids"])
-    after, text = _metrics(metrics)
-    assert set(after) == {"0", "1", "2", "3"}
     # every token the model processed (prompt + all generated but the last) went to top-2
     processed = len(ids) + len(want) - 1
+    deadline = time.monotonic() + 5  # the model publishes when its engine goes idle
+    while True:
+        after, text = _metrics(metrics)
+        if all(after.get(k, 0) - before.get(k, 0) == 2 * processed for k in after) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert set(after) == {"0", "1", "2", "3"}
     for layer in after:
         assert after[layer] - before.get(layer, 0) == 2 * processed
     assert 'moepipe_expert_tokens_total{expert="0",layer="0",model="tensorrt_llm"}' in text

@@ -9,6 +9,7 @@ which the engine still batches together. Expert routing is exported as Prometheu
 
 import json
 import threading
+import time
 
 import numpy as np
 import torch
@@ -21,6 +22,8 @@ from moepipe.serving.engine import Engine
 from moepipe.serving.request import GenerationRequest, RequestError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Metrics are calls into the server: publish them at most this often, not every step.
+METRICS_PERIOD_S = 0.5
 
 
 def _opt(request, name, default, kind=float):
@@ -70,19 +73,28 @@ class TritonPythonModel:
             kind=pb_utils.MetricFamily.GAUGE)
         self.running_metric = self.running_family.Metric(labels={"model": self.name})
         self._last_counts = model.expert_tokens.clone()
+        self._tokens = 0
+        self._published = 0.0
         self.engine = Engine(model, max_batch_size=int(cfg["max_batch_size"]),
                              max_seq_len=int(params["max_seq_len"]),
                              max_input_len=int(params["max_input_len"]), on_step=self._on_step)
         self.engine.start()
 
-    def _on_step(self, model):
-        counts = model.expert_tokens
+    def _on_step(self, model, force=False):
+        now = time.monotonic()
+        if not force and now - self._published < METRICS_PERIOD_S:
+            return
+        self._published = now
+        counts = model.expert_tokens.clone()
         delta = (counts - self._last_counts).tolist()
-        self._last_counts = counts.clone()
+        self._last_counts = counts
         for li, row in enumerate(delta):
             for e, n in enumerate(row):
                 if n:
                     self.expert_metrics[li][e].increment(n)
+        tokens, self._tokens = self._tokens, 0
+        if tokens:
+            self.tokens_metric.increment(tokens)
         self.running_metric.set(self.engine.active)
 
     def execute(self, requests):
@@ -168,7 +180,7 @@ class TritonPythonModel:
             if want_out:
                 tensors.append(pb_utils.Tensor("num_output_tokens",
                                                np.array([[len(req.generated)]], np.int32)))
-            self.tokens_metric.increment(len(tokens) if req.streaming else len(req.generated))
+            self._tokens += len(tokens) if req.streaming else len(req.generated)
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
                         flags=FINAL if final else 0)
 
@@ -181,6 +193,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine.stop()
+        self._on_step(self.engine.model, force=True)
         del self.expert_metrics, self.tokens_metric, self.running_metric
 
 

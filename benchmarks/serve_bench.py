@@ -1,0 +1,160 @@
+"""Serving benchmark: output tokens/s and p50/p99 request latency at concurrency 1, 4 and 16
+through the deployed ensemble (a real tritonserver, cpu target), against transformers
+``generate`` on the same model and prompts in the same run, batched at the same sizes.
+
+    python benchmarks/serve_bench.py [--example tiny-mixtral] [--requests 48] [--max-tokens 32]
+
+Both sides use the same number of torch threads (--threads, default 1). Target: at
+concurrency 16 the server reaches >= 1.0x the transformers tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def percentile(values, q):
+    return float(np.percentile(np.array(values), q)) if values else float("nan")
+
+
+def prompts_from_corpus(n: int) -> list[str]:
+    from moepipe.examples import corpus_text
+
+    lines = [s.strip() for s in corpus_text().replace("\n", " ").split(".") if len(s) > 20]
+    return [lines[i % len(lines)][: 40 + 13 * (i % 7)] for i in range(n)]
+
+
+def bench_server(grpc_url: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
+    from moepipe import client
+
+    latencies, tokens = [], []
+    lock = threading.Lock()
+    todo = list(enumerate(prompts))
+
+    def worker():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                _, prompt = todo.pop()
+            start = time.perf_counter()
+            res = client.grpc_infer(grpc_url, "ensemble",
+                                    client.text_inputs(prompt, max_tokens,
+                                                       return_num_output_tokens=True),
+                                    ["text_output", "num_output_tokens"])
+            elapsed = time.perf_counter() - start
+            with lock:
+                latencies.append(elapsed)
+                tokens.append(int(res.outputs[-1]["num_output_tokens"].reshape(-1)[0]))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    return {"tokens": sum(tokens), "seconds": wall, "tokens_per_s": sum(tokens) / wall,
+            "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99)}
+
+
+def bench_transformers(model_dir: Path, prompts: list[str], max_tokens: int,
+                       batch: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = tok.eos_token_id
+    latencies, tokens = [], 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        enc = tok(chunk, return_tensors="pt", padding=True)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=tok.pad_token_id)
+        elapsed = time.perf_counter() - t0
+        for row in out[:, enc.input_ids.shape[1]:].tolist():
+            n = row.index(eos) + 1 if eos in row else len(row)
+            tokens += n
+        latencies += [elapsed] * len(chunk)
+    wall = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+            "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--example", default="tiny-mixtral")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--moe-ep", type=int, default=None)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    import torch
+    import yaml
+
+    torch.set_num_threads(args.threads)
+    from moepipe.build import model_dir, run_build
+    from moepipe.config import load_config
+    from moepipe.deploy import server
+    from moepipe.stages.deploy import run_deploy, state_dir
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "integration"))
+    from helpers import free_ports
+
+    work = Path(tempfile.mkdtemp(prefix="moepipe-serve-bench-"))
+    http, grpc, metrics = free_ports(3)
+    (work / "moepipe.yaml").write_text(yaml.safe_dump({
+        "model": {"example": args.example},
+        "parallel": {"tp": args.tp, "moe_ep": args.moe_ep},
+        "build": {"max_batch_size": 16, "max_input_len": 256, "max_seq_len": 512},
+        "deploy": {"http_port": http, "grpc_port": grpc, "metrics_port": metrics,
+                   "cpu_threads": args.threads}, "workdir": str(work)}))
+    cfg = load_config(work / "moepipe.yaml")
+    run_build(work / "moepipe.yaml", echo=lambda s: None)
+    run_deploy(cfg, echo=lambda s: None)
+    prompts = prompts_from_corpus(args.requests)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    try:
+        bench_server(f"127.0.0.1:{grpc}", prompts[:4], args.max_tokens, 4)  # warm-up
+        for c in levels:
+            srv = bench_server(f"127.0.0.1:{grpc}", prompts, args.max_tokens, c)
+            ref = bench_transformers(model_dir(cfg), prompts, args.max_tokens, c)
+            rows.append({"concurrency": c, "server": srv, "transformers": ref,
+                         "speedup": srv["tokens_per_s"] / ref["tokens_per_s"]})
+    finally:
+        server.stop(state_dir(cfg))
+    print(f"{args.example} tp={args.tp}, {args.requests} requests x {args.max_tokens} tokens, "
+          f"torch threads {args.threads}")
+    print(f"{'conc':>4} | {'server tok/s':>12} {'p50 s':>7} {'p99 s':>7} | "
+          f"{'transformers tok/s':>18} {'p50 s':>7} {'p99 s':>7} | {'ratio':>5}")
+    for r in rows:
+        s, t = r["server"], r["transformers"]
+        print(f"{r['concurrency']:>4} | {s['tokens_per_s']:12.1f} {s['p50_s']:7.3f} "
+              f"{s['p99_s']:7.3f} | {t['tokens_per_s']:18.1f} {t['p50_s']:7.3f} "
+              f"{t['p99_s']:7.3f} | {r['speedup']:5.2f}")
+    last = rows[-1]
+    print(f"target (server >= 1.0x transformers at concurrency {last['concurrency']}): "
+          f"{'MET' if last['speedup'] >= 1.0 else 'NOT MET'} ({last['speedup']:.2f}x)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""moepipe `trtllm-pytorch` target: TensorRT-LLM's LLM API (PyTorch backend) as Triton's
+``tensorrt_llm`` model, with the tensor contract of the cpu target (input_ids, input_lengths,
+request_output_len, end_id, ... -> output_ids, sequence_length, ...).
+
+``initialize`` builds ``tensorrt_llm.LLM(**model.yaml)`` (all keys but ``triton_config``);
+tensorrt_llm is imported there, so a server without it fails with one line naming the container
+to use. Requests are parsed in ``execute`` and generated as coroutines on one asyncio loop with
+``generate_async``: in decoupled mode a streaming request gets one response per new token, every
+request ends with a response flagged FINAL (also when it fails), and a cancelled request is
+aborted. Stop / bad words of one token go to TensorRT-LLM as token ids; longer ones as their
+decoded text, which TensorRT-LLM encodes again.
+"""
+
+import asyncio
+import json
+import os
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+import yaml
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class RequestError(ValueError):
+    """A request the client can fix (answered as INVALID_ARG)."""
+
+
+def _opt(request, name, default=None, kind=float):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return default
+    value = t.as_numpy().reshape(-1)
+    return kind(value[0]) if value.size else default
+
+
+def _words(request, name):
+    """``[2, n]`` word list (ids row; cumulative end offsets row padded with -1) -> id lists."""
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None or not t.as_numpy().size:
+        return []
+    ids, offsets = t.as_numpy().reshape(2, -1).tolist()
+    words, start = [], 0
+    for end in (o for o in offsets if o >= 0):
+        words.append(ids[start:end])
+        start = end
+    return [w for w in words if w]
+
+
+def _logprob(entry, token):
+    """Log probability of a sampled token: a float, or ``{token: Logprob(logprob, rank)}``."""
+    return float(entry[token].logprob) if isinstance(entry, dict) else float(entry)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        cfg = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in cfg["parameters"].items()}
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+        self.exclude_input = params["exclude_input_in_output"].lower() == "true"
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.yaml")
+        with open(path) as f:
+            llm_args = yaml.safe_load(f)
+        triton = llm_args.pop("triton_config")
+        if int(triton["max_batch_size"]) != int(cfg["max_batch_size"]) \
+                or bool(triton["decoupled"]) != self.decoupled:
+            raise RuntimeError(f"{path}: triton_config {triton} disagrees with config.pbtxt "
+                               f"(max_batch_size {cfg['max_batch_size']}, decoupled "
+                               f"{self.decoupled}); render the deployment again with "
+                               "`moepipe deploy`")
+        try:
+            import tensorrt_llm
+            import torch
+            from tensorrt_llm import LLM, SamplingParams
+        except ImportError as e:
+            raise RuntimeError(f"TensorRT-LLM cannot be imported by this Triton server ({e}); "
+                               f"serve this model repository in {params['trtllm_container']}"
+                               ) from None
+        if tensorrt_llm.__version__ != params["trtllm_version"]:
+            pb_utils.Logger.log_warn(f"TensorRT-LLM {tensorrt_llm.__version__} is installed; "
+                                     f"moepipe rendered model.yaml for "
+                                     f"{params['trtllm_version']}")
+        self.torch, self.SamplingParams = torch, SamplingParams
+        self.llm = LLM(**llm_args)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                       name="moepipe-trtllm-requests")
+        self.thread.start()
+
+    def execute(self, requests):
+        jobs = []
+        for request in requests:
+            sender = request.get_response_sender() if self.decoupled else _Last()
+            try:
+                job = self._parse(request)
+            except Exception as e:  # answered here: execute must not raise in decoupled mode
+                code = pb_utils.TritonError.INVALID_ARG if isinstance(e, ValueError) \
+                    else pb_utils.TritonError.INTERNAL
+                error = pb_utils.TritonError(str(e), code)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                jobs.append((None, sender))
+                continue
+            jobs.append((asyncio.run_coroutine_threadsafe(self._serve(job, sender), self.loop),
+                         sender))
+        if self.decoupled:
+            return None
+        for future, _ in jobs:
+            if future is not None:
+                future.result()
+        return [sender.response for _, sender in jobs]
+
+    def _parse(self, request):
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if ids is None:
+            raise RequestError("input_ids is required")
+        prompt = ids.as_numpy().reshape(-1).tolist()
+        prompt = prompt[:_opt(request, "input_lengths", len(prompt), int)]
+        max_tokens = _opt(request, "request_output_len", 0, int)
+        if not prompt or max_tokens < 1:
+            raise RequestError("input_ids must not be empty and request_output_len must be > 0")
+        if _opt(request, "num_return_sequences", 1, int) != 1:
+            raise RequestError("num_return_sequences > 1 is not supported by the trtllm-pytorch "
+                               "target")
+        beam = _opt(request, "beam_width", 1, int)
+        streaming = bool(_opt(request, "streaming", False, bool))
+        if streaming and (not self.decoupled or beam > 1):
+            raise RequestError("streaming needs decoupled mode (deploy.decoupled: true) and "
+                               "beam_width 1")
+        stop, bad = _words(request, "stop_words_list"), _words(request, "bad_words_list")
+        bias = pb_utils.get_input_tensor_by_name(request, "embedding_bias")
+        bias = bias.as_numpy().reshape(-1) if bias is not None else np.zeros(0, np.float32)
+        want_log_probs = bool(_opt(request, "return_log_probs", False, bool))
+        sampling = self.SamplingParams(
+            max_tokens=max_tokens,
+            end_id=_opt(request, "end_id", None, int),
+            pad_id=_opt(request, "pad_id", None, int),
+            temperature=_opt(request, "temperature"),
+            top_k=_opt(request, "runtime_top_k", None, int),
+            top_p=_opt(request, "runtime_top_p"),
+            seed=_opt(request, "seed", None, int),
+            min_tokens=_opt(request, "min_tokens", None, int),
+            repetition_penalty=_opt(request, "repetition_penalty"),
+            presence_penalty=_opt(request, "presence_penalty"),
+            frequency_penalty=_opt(request, "frequency_penalty"),
+            length_penalty=_opt(request, "len_penalty"),
+            use_beam_search=beam > 1, n=beam,
+            stop_token_ids=[w[0] for w in stop if len(w) == 1] or None,
+            stop=[self._text(w) for w in stop if len(w) > 1] or None,
+            bad_token_ids=[w[0] for w in bad if len(w) == 1] or None,
+            bad=[self._text(w) for w in bad if len(w) > 1] or None,
+            embedding_bias=self.torch.from_numpy(bias.astype(np.float32)) if bias.size
+            else None,
+            logprobs=1 if want_log_probs else None,
+            detokenize=False)
+        return {"prompt": prompt, "sampling": sampling, "streaming": streaming,
+                "log_probs": want_log_probs,
+                "exclude": bool(_opt(request, "exclude_input_in_output", self.exclude_input,
+                                     bool)),
+                "num_input": bool(_opt(request, "return_num_input_tokens", False, bool)),
+                "num_output": bool(_opt(request, "return_num_output_tokens", False, bool))}
+
+    def _text(self, ids):
+        return self.llm.tokenizer.decode(ids)
+
+    async def _serve(self, job, sender):
+        done, watch = False, None
+        try:
+            result = self.llm.generate_async({"prompt_token_ids": job["prompt"]},
+                                             sampling_params=job["sampling"],
+                                             streaming=job["streaming"])
+            watch = asyncio.ensure_future(self._watch(result, sender))
+            sent = 0
+            async for out in result:  # streaming: once per step; else once, when finished
+                if job["streaming"]:
+                    seq = out.outputs[0]
+                    new = seq.token_ids[sent:]
+                    for i, token in enumerate(new):
+                        done = out.finished and i == len(new) - 1
+                        lp = [[_logprob(seq.logprobs[sent + i], token)]] if job["log_probs"] \
+                            else None
+                        sender.send(self._response(job, [[token]], lp, [seq]),
+                                    flags=FINAL if done else 0)
+                    sent = len(seq.token_ids)
+            if not job["streaming"] and not sender.is_cancelled():
+                beams = result.outputs
+                tokens = [(job["prompt"] if not job["exclude"] else []) + list(s.token_ids)
+                          for s in beams]
+                # zip: a matched stop word is cut from token_ids, not from logprobs
+                lp = [[_logprob(e, t) for e, t in zip(s.logprobs, s.token_ids, strict=False)]
+                      for s in beams] if job["log_probs"] else None
+                sender.send(self._response(job, tokens, lp, beams), flags=FINAL)
+                done = True
+        except Exception as e:  # the client hears about it; the server keeps serving
+            if not done:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
+                            flags=FINAL)
+                done = True
+        finally:
+            if watch is not None:
+                watch.cancel()
+            if not done:  # cancelled, or finished without a new token
+                sender.send(flags=FINAL)
+
+    async def _watch(self, result, sender):
+        """Abort the request once the client cancels it."""
+        while not result.finished:
+            if sender.is_cancelled():
+                result.abort()
+                return
+            await asyncio.sleep(0.1)
+
+    def _response(self, job, tokens, logprobs, beams):
+        """One response: ``tokens`` (and ``logprobs``) per beam, padded to ``[1, beams, n]``."""
+        pad = job["sampling"].pad_id or 0
+        width = max(len(t) for t in tokens)
+        tensors = [
+            pb_utils.Tensor("output_ids", np.array(
+                [[t + [pad] * (width - len(t)) for t in tokens]], np.int32)),
+            pb_utils.Tensor("sequence_length", np.array([[len(t) for t in tokens]], np.int32)),
+            pb_utils.Tensor("batch_index", np.zeros((1, 1), np.int32)),
+            pb_utils.Tensor("sequence_index", np.zeros((1, 1), np.int32))]
+        if logprobs is not None:
+            width = max(len(lp) for lp in logprobs)
+            tensors += [
+                pb_utils.Tensor("cum_log_probs", np.array(
+                    [[b.cumulative_logprob or 0.0 for b in beams]], np.float32)),
+                pb_utils.Tensor("output_log_probs", np.array(
+                    [[lp + [0.0] * (width - len(lp)) for lp in logprobs]], np.float32))]
+        if job["num_input"]:
+            tensors.append(pb_utils.Tensor("num_input_tokens",
+                                           np.array([[len(job["prompt"])]], np.int32)))
+        if job["num_output"]:
+            tensors.append(pb_utils.Tensor("num_output_tokens",
+                                           np.array([[len(beams[0].token_ids)]], np.int32)))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def finalize(self):
+        self.llm.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class _Last:
+    """A response sender for non-decoupled mode: keeps the final response for execute()."""
+
+    response = None
+
+    def is_cancelled(self):
+        return False
+
+    def send(self, response=None, flags=0):
+        if response is not None:
+            self.response = response

@@ -1,0 +1,446 @@
+"""Rendering each target's deployment on CPU (the GPU targets cannot run here, so their files
+are checked as files): every config.pbtxt parses with Triton's own schema, nothing is left
+unrendered, the shared ensemble wires to each target's tensorrt_llm with matching data types,
+the rendered text files equal the checked-in golden copies under tests/golden/<target>/, and
+the trtllm-engine launch.sh refuses to start when the engine, the GPUs or TensorRT-LLM disagree
+with what was rendered.
+
+Regenerate the golden copies with ``MOEPIPE_UPDATE_GOLDEN=1 pytest tests/unit/test_render_targets.py``.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moepipe.config import parse_config
+from moepipe.deploy.render import check_repository
+from moepipe.deploy.repository import Artifacts, render_deployment
+from moepipe.errors import ConfigError, MappingError
+from moepipe.stages.convert import convert
+from moepipe.versions import TRTLLM_ENGINE_VERSION
+
+TARGETS = ["cpu", "trtllm-engine", "trtllm-pytorch"]
+GOLDEN = Path(__file__).parents[1] / "golden"
+GOLDEN_SUFFIXES = (".pbtxt", ".yaml", ".sh")
+WORLD_SIZE = 2  # tp=2, moe_ep=2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(examples, tmp_path_factory):
+    out = tmp_path_factory.mktemp("checkpoint") / "ckpt"
+    convert(examples["tiny-mixtral"], out, tp=2, moe_ep=2)
+    return out
+
+
+def render(target, model, ckpt, root, art_extra=None, **deploy):
+    """Render ``target`` for the tiny Mixtral at tp=2 / moe_ep=2 under ``root``; returns
+    (deploy dir, config)."""
+    cfg = parse_config({"model": {"path": str(model)}, "target": target,
+                        "parallel": {"tp": 2, "moe_ep": 2}, "workdir": str(root / "work"),
+                        "deploy": deploy})
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    art = Artifacts(model_dir=model, checkpoint_dir=ckpt, vocab_size=vocab,
+                    world_size=WORLD_SIZE, **(art_extra or {}))
+    render_deployment(cfg, art)
+    return cfg.deploy_dir, cfg
+
+
+@pytest.fixture(scope="module")
+def deployments(examples, checkpoint, tmp_path_factory):
+    """target -> (deploy dir, config) rendered with default settings."""
+    return {t: render(t, examples["tiny-mixtral"], checkpoint, tmp_path_factory.mktemp(t))
+            for t in TARGETS}
+
+
+def configs(deploy):
+    return check_repository(deploy / "model_repo")
+
+
+def tensors(cfg):
+    return {t.name: t for t in cfg.input}, {t.name: t for t in cfg.output}
+
+
+# --- every target ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_repository_parses_and_nothing_is_left_unrendered(deployments, target):
+    deploy, _ = deployments[target]
+    found = configs(deploy)  # parses every config.pbtxt with Triton's schema
+    assert set(found) == {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing",
+                          "tensorrt_llm_bls"}
+    for path in deploy.rglob("*"):
+        if path.is_file() and path.suffix in (*GOLDEN_SUFFIXES, ".py", ".json"):
+            assert "${" not in path.read_text(), path
+
+
+def wiring_problems(found):
+    """Every ensemble step map names a tensor its model declares, fed by a tensor of the same
+    data type; every required input is fed; every ensemble output is produced."""
+    ensemble = found["ensemble"]
+    available = {t.name: t.data_type for t in ensemble.input}
+    problems = []
+    for step in ensemble.ensemble_scheduling.step:
+        inputs, outputs = tensors(found[step.model_name])
+        for key, value in step.input_map.items():
+            if key not in inputs:
+                problems.append(f"{step.model_name}: {key} is not an input")
+            elif value not in available:
+                problems.append(f"{step.model_name}.{key}: nothing produces {value}")
+            elif available[value] != inputs[key].data_type:
+                problems.append(f"{step.model_name}.{key}: {inputs[key].data_type} fed from "
+                                f"{value} of type {available[value]}")
+        problems += [f"{step.model_name}: required input {name} is not fed"
+                     for name, t in inputs.items() if not t.optional and name not in
+                     step.input_map]
+        for key, value in step.output_map.items():
+            if key not in outputs:
+                problems.append(f"{step.model_name}: {key} is not an output")
+            else:
+                available[value] = outputs[key].data_type
+    for t in ensemble.output:
+        if available.get(t.name) != t.data_type:
+            problems.append(f"ensemble output {t.name}: produced as {available.get(t.name)}, "
+                            f"declared {t.data_type}")
+    return problems
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_ensemble_wires_to_the_targets_tensorrt_llm(deployments, target):
+    assert wiring_problems(configs(deployments[target][0])) == []
+
+
+@pytest.mark.parametrize("target", ["trtllm-engine", "trtllm-pytorch"])
+def test_gpu_targets_serve_the_cpu_targets_tensor_contract(deployments, target):
+    """Same names, types, shapes and flags as the cpu target: clients switch targets freely."""
+    cpu_in, cpu_out = tensors(configs(deployments["cpu"][0])["tensorrt_llm"])
+    llm_in, llm_out = tensors(configs(deployments[target][0])["tensorrt_llm"])
+    assert {n: llm_in.get(n) for n in cpu_in} == cpu_in
+    assert {n: llm_out.get(n) for n in cpu_out} == cpu_out
+    if target == "trtllm-pytorch":  # our own adapter: exactly the cpu contract
+        assert llm_in.keys() == cpu_in.keys() and llm_out.keys() == cpu_out.keys()
+
+
+def rendered_text_files(deploy):
+    return {p.relative_to(deploy).as_posix(): p for p in sorted(deploy.rglob("*"))
+            if p.is_file() and p.suffix in GOLDEN_SUFFIXES and "tokenizer" not in p.parts}
+
+
+def normalised(text, cfg, examples, ckpt):
+    """Rendered text with the machine's temporary paths replaced by fixed tokens."""
+    paths = {cfg.deploy_dir: "<DEPLOY>", cfg.workdir: "<WORK>", ckpt: "<CKPT>",
+             examples["tiny-mixtral"]: "<MODEL>"}
+    for path, token in sorted(paths.items(), key=lambda kv: -len(str(kv[0].resolve()))):
+        text = text.replace(str(path.resolve()), token)
+    return text
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rendered_files_match_golden_copies(deployments, examples, checkpoint, target):
+    deploy, cfg = deployments[target]
+    golden = GOLDEN / target
+    files = {rel: normalised(path.read_text(), cfg, examples, checkpoint)
+             for rel, path in rendered_text_files(deploy).items()}
+    if os.environ.get("MOEPIPE_UPDATE_GOLDEN") == "1":
+        shutil.rmtree(golden, ignore_errors=True)
+        for rel, text in files.items():
+            (golden / rel).parent.mkdir(parents=True, exist_ok=True)
+            (golden / rel).write_text(text)
+    expected = {p.relative_to(golden).as_posix(): p.read_text()
+                for p in sorted(golden.rglob("*")) if p.is_file()}
+    assert sorted(files) == sorted(expected), "rendered files differ from tests/golden " \
+        "(MOEPIPE_UPDATE_GOLDEN=1 regenerates them)"
+    for rel, text in files.items():
+        assert text == expected[rel], f"{target}/{rel} differs from its golden copy " \
+            "(MOEPIPE_UPDATE_GOLDEN=1 regenerates it)"
+
+
+# --- trtllm-engine --------------------------------------------------------------------------
+
+
+def parameters(cfg):
+    return {k: v.string_value for k, v in cfg.parameters.items()}
+
+
+def test_engine_parameters_come_from_the_config(deployments):
+    deploy, cfg = deployments["trtllm-engine"]
+    llm = configs(deploy)["tensorrt_llm"]
+    params = parameters(llm)
+    assert llm.backend == "tensorrtllm" and llm.max_batch_size == cfg.build.max_batch_size
+    assert llm.model_transaction_policy.decoupled is True
+    assert list(llm.dynamic_batching.preferred_batch_size) == [cfg.build.max_batch_size]
+    assert [(g.count, type(g).Kind.Name(g.kind)) for g in llm.instance_group] == \
+        [(1, "KIND_CPU")]
+    # Artifacts.engine_dir is None here (no GPU): where `moepipe build` puts the engine.
+    assert params["gpt_model_path"] == str((cfg.workdir / "engine").resolve())
+    assert params["gpt_model_type"] == "inflight_fused_batching"
+    assert params["batch_scheduler_policy"] == "guaranteed_no_evict"
+    assert params["kv_cache_free_gpu_mem_fraction"] == "0.9"
+    assert params["exclude_input_in_output"] == "true"
+    assert params["tokenizer_dir"] == str(deploy / "tokenizer")
+    # Unset in moepipe.yaml: left to TensorRT-LLM, not filled with a made-up value.
+    for absent in ("max_tokens_in_paged_kv_cache", "max_attention_window_size",
+                   "decoding_mode", "gpu_device_ids", "participant_ids"):
+        assert absent not in params
+    outputs = tensors(llm)[1]
+    assert outputs["context_logits"].data_type == outputs["cum_log_probs"].data_type  # FP32
+
+
+def test_engine_optional_parameters_are_rendered_when_set(examples, checkpoint, tmp_path):
+    deploy, _ = render("trtllm-engine", examples["tiny-mixtral"], checkpoint, tmp_path,
+                       trtllm={"max_tokens_in_paged_kv_cache": 4096,
+                               "max_attention_window_size": 1024, "decoding_mode": "top_k",
+                               "batch_scheduler_policy": "max_utilization",
+                               "enable_kv_cache_reuse": False})
+    params = parameters(configs(deploy)["tensorrt_llm"])
+    assert params["max_tokens_in_paged_kv_cache"] == "4096"
+    assert params["max_attention_window_size"] == "1024"
+    assert params["decoding_mode"] == "top_k"
+    assert params["batch_scheduler_policy"] == "max_utilization"
+    assert params["enable_kv_cache_reuse"] == "false"
+
+
+def fake_engine(path, world_size=WORLD_SIZE, tp=WORLD_SIZE, version=TRTLLM_ENGINE_VERSION,
+                ranks=WORLD_SIZE, max_beam_width=1):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "version": version,
+        "pretrained_config": {"logits_dtype": "float32",
+                              "mapping": {"world_size": world_size, "tp_size": tp,
+                                          "pp_size": world_size // tp}},
+        "build_config": {"max_beam_width": max_beam_width}}))
+    for rank in range(ranks):
+        (path / f"rank{rank}.engine").write_bytes(b"")
+    return path
+
+
+def test_engine_dir_from_artifacts_and_checked_when_built(examples, checkpoint, tmp_path):
+    engine = fake_engine(tmp_path / "built-engine")
+    deploy, _ = render("trtllm-engine", examples["tiny-mixtral"], checkpoint, tmp_path / "a",
+                       art_extra={"engine_dir": engine})
+    assert parameters(configs(deploy)["tensorrt_llm"])["gpt_model_path"] == str(engine)
+    wrong = fake_engine(tmp_path / "tp4-engine", world_size=4, tp=4, ranks=4)
+    with pytest.raises(MappingError, match="built for world size 4.*= 2"):
+        render("trtllm-engine", examples["tiny-mixtral"], checkpoint, tmp_path / "b",
+               art_extra={"engine_dir": wrong})
+
+
+def test_values_the_files_cannot_quote_are_refused(examples, checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="deploy.host"):
+        render("trtllm-engine", examples["tiny-mixtral"], checkpoint, tmp_path,
+               host='127.0.0.1" --allow-http=false')
+    assert not (tmp_path / "work" / "deploy").exists()
+
+
+# --- trtllm-engine launch.sh ----------------------------------------------------------------
+
+
+@pytest.fixture
+def launch(examples, checkpoint, tmp_path):
+    """A freshly rendered trtllm-engine deployment: (launch.sh, engine dir, stub bin dir)."""
+    deploy, cfg = render("trtllm-engine", examples["tiny-mixtral"], checkpoint, tmp_path)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    return deploy / "launch.sh", cfg.workdir / "engine", stubs
+
+
+def stub(folder, name, script):
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+
+
+def stub_machine(stubs, gpus=WORLD_SIZE, trtllm=TRTLLM_ENGINE_VERSION):
+    """Stubs standing in for the GPU container: nvidia-smi listing ``gpus`` GPUs, python3 with
+    TensorRT-LLM ``trtllm`` (None: not importable), mpirun recording its arguments."""
+    stub(stubs, "nvidia-smi", "".join(f'echo "GPU {i}: NVIDIA H100 (UUID: GPU-{i})"\n'
+                                      for i in range(gpus)))
+    if trtllm is None:
+        answer = "exit 1"
+    else:  # importing tensorrt_llm prints a banner before the version
+        answer = f'echo "[TensorRT-LLM] TensorRT LLM version: {trtllm}"; echo {trtllm}; exit 0'
+    stub(stubs, "python3", f'case "$2" in *"import tensorrt_llm"*) {answer};; esac\n'
+                           f'exec {sys.executable} "$@"\n')
+    stub(stubs, "mpirun", f'printf "%s\\n" "$@" > {stubs}/mpirun.args\n')
+    stub(stubs, "tritonserver", "exit 0\n")
+
+
+def run(script, stubs, **env):
+    environ = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    environ["PATH"] = f"{stubs}:{environ['PATH']}"
+    environ.update(env)
+    return subprocess.run(["bash", str(script)], capture_output=True, text=True, env=environ,
+                          timeout=60)
+
+
+def refusal(result):
+    """The one-line message of a refused start."""
+    assert result.returncode != 0, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_launch_script_is_valid_bash(launch):
+    script, _, _ = launch
+    assert os.access(script, os.X_OK)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_launch_script_passes_shellcheck(launch):
+    subprocess.run(["shellcheck", str(launch[0])], check=True)
+
+
+def test_launch_without_an_engine_refuses_in_one_line(launch):
+    script, engine, stubs = launch
+    message = refusal(run(script, stubs))
+    assert f"no TensorRT-LLM engine at {engine}" in message and "moepipe build" in message
+
+
+def test_launch_refuses_an_engine_built_for_another_world_size(launch):
+    script, engine, stubs = launch
+    stub_machine(stubs, gpus=4)
+    fake_engine(engine, world_size=4, tp=4, ranks=4)
+    message = refusal(run(script, stubs))
+    assert "built for world size 4 (tp=4 x pp=1)" in message
+    assert "rendered for world size 2" in message
+
+
+def test_launch_refuses_a_checkpoint_for_an_engine(launch):
+    script, engine, stubs = launch
+    engine.mkdir(parents=True)
+    (engine / "config.json").write_text(json.dumps({"architecture": "MixtralForCausalLM",
+                                                    "mapping": {"world_size": 2}}))
+    assert "is not a TensorRT-LLM engine config" in refusal(run(script, stubs))
+
+
+def test_launch_refuses_an_unfinished_engine(launch):
+    script, engine, stubs = launch
+    fake_engine(engine, ranks=1)
+    assert "rank1.engine is missing" in refusal(run(script, stubs))
+
+
+@pytest.mark.parametrize("gpus,visible,seen", [(1, None, 1), (4, None, 4), (4, "0", 1),
+                                               (4, "0,1,2", 3), (4, "", 0)])
+def test_launch_refuses_when_visible_gpus_differ(launch, gpus, visible, seen):
+    script, engine, stubs = launch
+    stub_machine(stubs, gpus=gpus)
+    fake_engine(engine)
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    message = refusal(run(script, stubs, **env))
+    assert f"{seen} GPU(s) visible here but the engine needs exactly 2" in message
+
+
+def test_launch_refuses_without_nvidia_smi(launch):
+    script, engine, stubs = launch
+    fake_engine(engine)
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi")
+    assert "nvidia-smi not found" in refusal(run(script, stubs))
+
+
+def test_launch_refuses_another_tensorrt_llm_version(launch):
+    script, engine, stubs = launch
+    stub_machine(stubs, trtllm="1.2.0")
+    fake_engine(engine, version=TRTLLM_ENGINE_VERSION)
+    message = refusal(run(script, stubs))
+    assert f"TensorRT-LLM 1.2.0 is installed here but the engine was built with " \
+           f"{TRTLLM_ENGINE_VERSION}" in message
+
+
+def test_launch_refuses_without_tensorrt_llm(launch):
+    script, engine, stubs = launch
+    stub_machine(stubs, trtllm=None)
+    fake_engine(engine)
+    assert "TensorRT-LLM is not importable" in refusal(run(script, stubs))
+
+
+def test_launch_refuses_a_beam_wider_than_the_engine(examples, checkpoint, tmp_path):
+    deploy, cfg = render("trtllm-engine", examples["tiny-mixtral"], checkpoint, tmp_path,
+                         trtllm={"max_beam_width": 4})
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    fake_engine(cfg.workdir / "engine", max_beam_width=2)
+    assert "max_beam_width is 4 but the engine was built for at most 2" in \
+        refusal(run(deploy / "launch.sh", stubs))
+
+
+def test_launch_starts_one_rank_per_gpu(launch):
+    script, engine, stubs = launch
+    stub_machine(stubs)
+    fake_engine(engine)
+    result = run(script, stubs)
+    assert result.returncode == 0, result.stderr
+    args = (stubs / "mpirun.args").read_text().splitlines()
+    assert args[0] == "--allow-run-as-root"
+    ranks, current = [], []
+    for arg in args[1:]:
+        if arg == ":":
+            ranks.append(current)
+            current = []
+        else:
+            current.append(arg)
+    ranks.append(current)
+    assert len(ranks) == WORLD_SIZE
+    repo = script.parent / "model_repo"
+    for i, rank in enumerate(ranks):
+        assert rank[:3] == ["-n", "1", "tritonserver"]
+        assert f"--model-repository={repo}" in rank
+        assert f"--backend-config=python,shm-region-prefix-name=prefix{i}_" in rank
+        assert "--http-address=127.0.0.1" in rank and "--grpc-address=127.0.0.1" in rank
+        assert "--http-port=8000" in rank and "--exit-timeout-secs=30" in rank
+        workers_only = ["--model-control-mode=explicit", "--load-model=tensorrt_llm"]
+        assert all((flag in rank) == (i > 0) for flag in workers_only)
+
+
+# --- trtllm-pytorch -------------------------------------------------------------------------
+
+
+def model_yaml(deploy):
+    return yaml.safe_load((deploy / "model_repo/tensorrt_llm/1/model.yaml").read_text())
+
+
+def test_pytorch_llm_arguments_come_from_the_config(deployments, examples):
+    deploy, cfg = deployments["trtllm-pytorch"]
+    args = model_yaml(deploy)
+    llm = configs(deploy)["tensorrt_llm"]
+    assert args["model"] == str(examples["tiny-mixtral"].resolve())  # no hf_serving_dir
+    assert args["backend"] == "pytorch" and args["trust_remote_code"] is False
+    assert (args["tensor_parallel_size"], args["pipeline_parallel_size"],
+            args["moe_tensor_parallel_size"], args["moe_expert_parallel_size"]) == (2, 1, 1, 2)
+    assert args["moe_config"] == {"backend": "CUTLASS"}
+    assert (args["max_batch_size"], args["max_num_tokens"], args["max_seq_len"]) == \
+        (cfg.build.max_batch_size, cfg.build.max_num_tokens, cfg.build.max_seq_len)
+    assert args["kv_cache_config"] == {"free_gpu_memory_fraction": 0.9, "max_tokens": None,
+                                       "max_attention_window": None, "enable_block_reuse": True}
+    assert args["scheduler_config"] == {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"}
+    # triton_config mirrors config.pbtxt
+    assert args["triton_config"] == {"max_batch_size": llm.max_batch_size,
+                                     "decoupled": llm.model_transaction_policy.decoupled}
+    params = parameters(llm)
+    assert llm.backend == "python" and params["trtllm_version"] == TRTLLM_ENGINE_VERSION
+    assert params["trtllm_container"].startswith("nvcr.io/nvidia/tritonserver:")
+
+
+def test_pytorch_serves_the_serving_checkpoint_and_set_knobs(examples, checkpoint, tmp_path):
+    serving = tmp_path / "unified-hf"
+    serving.mkdir()
+    deploy, _ = render("trtllm-pytorch", examples["tiny-mixtral"], checkpoint, tmp_path,
+                       art_extra={"hf_serving_dir": serving}, decoupled=False,
+                       trtllm={"max_tokens_in_paged_kv_cache": 4096,
+                               "max_attention_window_size": 1024, "moe_backend": "TRTLLM"})
+    args = model_yaml(deploy)
+    assert args["model"] == str(serving.resolve())
+    assert args["kv_cache_config"]["max_tokens"] == 4096
+    assert args["kv_cache_config"]["max_attention_window"] == [1024]
+    assert args["moe_config"] == {"backend": "TRTLLM"}
+    assert args["triton_config"]["decoupled"] is False
+    assert configs(deploy)["tensorrt_llm"].model_transaction_policy.decoupled is False
