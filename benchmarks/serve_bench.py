@@ -39,29 +39,32 @@ def bench_server(grpc_url: str, prompts: list[str], max_tokens: int, concurrency
     lock = threading.Lock()
     todo = list(enumerate(prompts))
 
-    def worker():
+    streams = [client.GrpcStream(grpc_url) for _ in range(concurrency)]  # one per user
+
+    def worker(stream):
         while True:
             with lock:
                 if not todo:
                     return
                 _, prompt = todo.pop()
             start = time.perf_counter()
-            res = client.grpc_infer(grpc_url, "ensemble",
-                                    client.text_inputs(prompt, max_tokens,
-                                                       return_num_output_tokens=True),
-                                    ["text_output", "num_output_tokens"])
+            res = stream.infer("ensemble", client.text_inputs(prompt, max_tokens,
+                                                              return_num_output_tokens=True),
+                               ["text_output", "num_output_tokens"])
             elapsed = time.perf_counter() - start
             with lock:
                 latencies.append(elapsed)
                 tokens.append(int(res.outputs[-1]["num_output_tokens"].reshape(-1)[0]))
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(s,)) for s in streams]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    for s in streams:
+        s.close()
     return {"tokens": sum(tokens), "seconds": wall, "tokens_per_s": sum(tokens) / wall,
             "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99)}
 
@@ -140,6 +143,8 @@ def main() -> None:
                          "speedup": srv["tokens_per_s"] / ref["tokens_per_s"]})
     finally:
         server.stop(state_dir(cfg))
+    log = (state_dir(cfg) / server.LOG_FILE).read_text(errors="replace")
+    engine = [line.split('"')[1] for line in log.splitlines() if "moepipe engine:" in line]
     print(f"{args.example} tp={args.tp}, {args.requests} requests x {args.max_tokens} tokens, "
           f"torch threads {args.threads}")
     print(f"{'conc':>4} | {'server tok/s':>12} {'p50 s':>7} {'p99 s':>7} | "
@@ -149,6 +154,8 @@ def main() -> None:
         print(f"{r['concurrency']:>4} | {s['tokens_per_s']:12.1f} {s['p50_s']:7.3f} "
               f"{s['p99_s']:7.3f} | {t['tokens_per_s']:18.1f} {t['p50_s']:7.3f} "
               f"{t['p99_s']:7.3f} | {r['speedup']:5.2f}")
+    if engine:
+        print(f"server {engine[-1]} (all levels)")
     last = rows[-1]
     print(f"target (server >= 1.0x transformers at concurrency {last['concurrency']}): "
           f"{'MET' if last['speedup'] >= 1.0 else 'NOT MET'} ({last['speedup']:.2f}x)")

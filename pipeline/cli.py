@@ -210,7 +210,7 @@ def serve(repository: Path = typer.Argument(..., help="A rendered model reposito
                            "pass <deploy>/model_repo as written by `moepipe deploy`")
     state = server.start(repository.resolve(), repository.resolve().parent / ".serve",
                          host=host, http_port=http_port, grpc_port=grpc_port,
-                         metrics_port=metrics_port, timeout=timeout, foreground=True)
+                         metrics_port=metrics_port, timeout=timeout)
     _echo(f"serving {repository} (pid {state.pid}): http {state.http}, grpc {state.grpc}, "
           f"metrics {state.metrics}; log {state.log}. Ctrl-C to stop.")
     code = server.wait(state)

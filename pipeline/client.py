@@ -82,45 +82,67 @@ _NP = {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64", np.dtype(np.flo
        np.dtype(np.bool_): "BOOL", np.dtype(np.uint64): "UINT64", np.dtype(object): "BYTES"}
 
 
-def grpc_infer(url: str, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
-               timeout: float = 60) -> GrpcResult:
-    """One request over a gRPC stream; collects every response until the final one."""
-    import tritonclient.grpc as grpcclient
+class GrpcStream:
+    """A gRPC client with one open stream, for sequential requests (decoupled models need
+    the stream API even for one response). Reuse it: opening a channel costs milliseconds."""
 
-    results: queue.Queue = queue.Queue()
+    def __init__(self, url: str, timeout: float = 60):
+        import tritonclient.grpc as grpcclient
 
-    def callback(result=None, error=None):
-        results.put((result, error))
+        self._grpc = grpcclient
+        self.timeout = timeout
+        self._results: queue.Queue = queue.Queue()
+        self._client = grpcclient.InferenceServerClient(url)
+        self._client.start_stream(callback=self._callback)
 
-    client = grpcclient.InferenceServerClient(url)
-    try:
+    def _callback(self, result=None, error=None):
+        self._results.put((result, error))
+
+    def infer(self, model: str, inputs: dict[str, np.ndarray],
+              outputs: list[str]) -> GrpcResult:
+        """Send one request; collect every response until its final one."""
+        g = self._grpc
         tensors = []
         for name, arr in inputs.items():
-            t = grpcclient.InferInput(name, list(arr.shape), _NP[arr.dtype])
+            t = g.InferInput(name, list(arr.shape), _NP[arr.dtype])
             t.set_data_from_numpy(arr)
             tensors.append(t)
-        client.start_stream(callback=callback, stream_timeout=timeout)
-        client.async_stream_infer(model, tensors,
-                                  outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
-                                  enable_empty_final_response=True)
+        self._client.async_stream_infer(model, tensors,
+                                        outputs=[g.InferRequestedOutput(o) for o in outputs],
+                                        enable_empty_final_response=True)
         out = GrpcResult()
         while True:
             try:
-                result, error = results.get(timeout=timeout)
+                result, error = self._results.get(timeout=self.timeout)
             except queue.Empty:
-                raise ClientError(f"no response from {model} within {timeout:.0f}s") from None
+                raise ClientError(f"no response from {model} within {self.timeout:.0f}s") \
+                    from None
             if error is not None:
                 raise ClientError(str(error))
             response = result.get_response()
             got = {o.name: result.as_numpy(o.name) for o in response.outputs}
             if got:
                 out.outputs.append(got)
-            if response.parameters.get("triton_final_response") is not None and \
-                    response.parameters["triton_final_response"].bool_param:
+            final = response.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
                 return out
-    finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
+
+    def close(self) -> None:
+        self._client.stop_stream(cancel_requests=True)
+        self._client.close()
+
+    def __enter__(self) -> GrpcStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def grpc_infer(url: str, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
+               timeout: float = 60) -> GrpcResult:
+    """One request over a fresh gRPC stream; collects every response until the final one."""
+    with GrpcStream(url, timeout) as stream:
+        return stream.infer(model, inputs, outputs)
 
 
 def text_inputs(prompt: str, max_tokens: int, **extra) -> dict[str, np.ndarray]:

@@ -194,7 +194,7 @@ def _ready(host: str, port: int) -> bool:
 
 def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_port: int,
           metrics_port: int, timeout: float = 180.0, exit_timeout: int = 30,
-          binary: Path | None = None, foreground: bool = False) -> ServerState:
+          binary: Path | None = None) -> ServerState:
     """Start tritonserver on ``repository`` and wait until it is ready."""
     state_dir.mkdir(parents=True, exist_ok=True)
     current = read_state(state_dir)
@@ -215,9 +215,11 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
     if triton.backend_dir is not None:
         cmd.append(f"--backend-directory={triton.backend_dir}")
     with open(log, "wb") as log_file:
+        # Own session: Ctrl-C in the terminal reaches moepipe, which stops the server (and
+        # its backend stubs, which share its process group) by PID.
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=server_env(),
-                                start_new_session=not foreground)
+                                start_new_session=True)
     state = ServerState(pid=proc.pid, host=host, http_port=http_port, grpc_port=grpc_port,
                         metrics_port=metrics_port, repository=str(repository), log=str(log),
                         binary=str(triton.path), started=time.time())
@@ -239,26 +241,25 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
 
 
 def _terminate(pid: int, grace: float) -> bool:
-    """SIGTERM, then SIGKILL of the whole process group after ``grace`` seconds."""
+    """SIGTERM, then SIGKILL after ``grace`` seconds; either way, backend stubs left in the
+    server's process group (its session, see :func:`start`) are killed afterwards."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return True
+    graceful = False
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if not _alive(pid):
-            _reap(pid)
-            return True
+            graceful = True
+            break
         time.sleep(0.1)
     try:
-        os.killpg(os.getpgid(pid), signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)  # pgid == pid: the server leads its own session
     except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        pass
     _reap(pid)
-    return False
+    return graceful
 
 
 def _reap(pid: int) -> None:

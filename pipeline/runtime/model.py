@@ -23,8 +23,10 @@ from moepipe.mapping import stage_layers
 from moepipe.routing import RouteFn, route
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
 
-# Above this many gathered weight elements per MoE call, loop over experts instead.
-GATHER_LIMIT = 1 << 22
+# MoE strategy by work size (multiply-adds of a layer's experts on this batch): all experts
+# densely, zero-weighting the unselected, while that is cheap (tiny models, decode steps);
+# else one loop over the selected experts.
+DENSE_LIMIT = 1 << 24
 
 
 @dataclass
@@ -39,6 +41,8 @@ class RankLayer:
     experts: range  # global ids of this rank's experts
     fc: torch.Tensor  # [E_local, 2*I_r, H], rows = [up | gate]
     proj: torch.Tensor  # [E_local, H, I_r]
+    fc_flat: torch.Tensor  # [E_local * 2*I_r, H] (a view of fc)
+    proj_flat: torch.Tensor  # [E_local * I_r, H] (proj transposed per expert)
     shared_fc: torch.Tensor | None
     shared_proj: torch.Tensor | None
     heads: int
@@ -68,6 +72,35 @@ class Batch:
     @classmethod
     def single(cls, tokens: list[int], past: int = 0, slot: int = 0) -> Batch:
         return cls(torch.tensor(tokens, dtype=torch.long), [len(tokens)], [past], [slot])
+
+
+@dataclass
+class _AttentionPlan:
+    """How a packed batch's attention is computed: single-token sequences with a cache in one
+    batched call (decode), the others one sequence at a time (prefill)."""
+
+    decode: tuple | None  # (token indices, slots, past lengths, key length, mask)
+    prefill: list[tuple[int, int, int, int]]  # (start, n, past, slot)
+
+    @classmethod
+    def of(cls, batch: Batch, cache: KVCache | None) -> _AttentionPlan:
+        starts = [0]
+        for n in batch.seq_lens[:-1]:
+            starts.append(starts[-1] + n)
+        seqs = list(zip(starts, batch.seq_lens, batch.past_lens, batch.slots, strict=True))
+        if cache is None:
+            if any(past for _, _, past, _ in seqs):
+                raise ValueError("a sequence with cached tokens needs the cache")
+            return cls(None, seqs)
+        single = [s for s in seqs if s[1] == 1]
+        decode = None
+        if single:
+            past = torch.tensor([s[2] for s in single])
+            length = int(past.max()) + 1
+            decode = (torch.tensor([s[0] for s in single]), torch.tensor([s[3] for s in single]),
+                      past, length,
+                      (torch.arange(length)[None, :] <= past[:, None])[:, None, None, :])
+        return cls(decode, [s for s in seqs if s[1] != 1])
 
 
 class KVCache:
@@ -140,6 +173,8 @@ class ReferenceModel:
         heads = self.num_heads // m.tp
         kv_heads = max(1, self.num_kv_heads // m.tp)
         for rank in ranks:
+            fc = self._get(rank, p + "mlp.fc.weight")
+            proj = self._get(rank, p + "mlp.proj.weight")
             per_rank.append(RankLayer(
                 qkv=self._get(rank, p + "attention.qkv.weight"),
                 qkv_bias=self._get(rank, p + "attention.qkv.bias") if facts.attn_bias else None,
@@ -149,8 +184,8 @@ class ReferenceModel:
                 k_norm=self._get(rank, p + "attention.k_layernorm.weight") if facts.qk_norm
                 else None,
                 experts=m.ep_experts(self.num_experts, rank),
-                fc=self._get(rank, p + "mlp.fc.weight"),
-                proj=self._get(rank, p + "mlp.proj.weight"),
+                fc=fc, proj=proj, fc_flat=fc.reshape(-1, fc.shape[-1]),
+                proj_flat=proj.transpose(1, 2).reshape(-1, proj.shape[1]).contiguous(),
                 shared_fc=self._get(rank, p + "mlp.shared_expert.fc.weight")
                 if facts.shared_expert_intermediate_size else None,
                 shared_proj=self._get(rank, p + "mlp.shared_expert.proj.weight")
@@ -177,17 +212,12 @@ class ReferenceModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         h = self.embedding[batch.tokens]
-        decode = None
-        if cache is not None and all(n == 1 for n in batch.seq_lens):
-            past = torch.tensor(batch.past_lens)
-            length = int(past.max()) + 1
-            decode = (torch.tensor(batch.slots), past, length,
-                      (torch.arange(length)[None, :] <= past[:, None])[:, None, None, :])
+        plan = _AttentionPlan.of(batch, cache)
         for layer in self.layers:
             x = rms_norm(h, layer.input_norm, self.eps)
             attn = torch.zeros_like(h)
             for r, w in enumerate(layer.ranks):
-                attn += self._attention(x, w, layer.index, r, cos, sin, batch, cache, decode)
+                attn += self._attention(x, w, layer.index, r, cos, sin, plan, cache)
             h = h + attn
             x = rms_norm(h, layer.post_norm, self.eps)
             h = h + self._moe(x, layer)
@@ -198,8 +228,8 @@ class ReferenceModel:
         logits = torch.cat([h @ part.T for part in self.lm_head], dim=-1)
         return logits[:, : self.vocab_size]
 
-    def _attention(self, x, w: RankLayer, layer: int, rank: int, cos, sin, batch: Batch,
-                   cache: KVCache | None, decode: tuple | None) -> torch.Tensor:
+    def _attention(self, x, w: RankLayer, layer: int, rank: int, cos, sin,
+                   plan: _AttentionPlan, cache: KVCache | None) -> torch.Tensor:
         hd = self.head_size
         qkv = x @ w.qkv.T
         if w.qkv_bias is not None:
@@ -213,28 +243,29 @@ class ReferenceModel:
             k = rms_norm(k, w.k_norm, self.eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if decode is not None:
-            out = self._decode_attention(q, k, v, layer, rank, cache, decode)
-        else:
-            out = self._prefill_attention(q, k, v, layer, rank, batch, cache)
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            idx = plan.decode[0]
+            out[idx] = self._decode_attention(q[idx], k[idx], v[idx], layer, rank, cache,
+                                              plan.decode[1:])
+        for start, n, past, slot in plan.prefill:
+            out[start:start + n] = self._prefill_attention(
+                q[start:start + n], k[start:start + n], v[start:start + n], layer, rank,
+                past, slot, cache)
         return out.reshape(-1, w.heads * hd) @ w.dense.T
 
-    def _prefill_attention(self, q, k, v, layer, rank, batch, cache):
-        outs, start = [], 0
-        for n, past, slot in zip(batch.seq_lens, batch.past_lens, batch.slots, strict=True):
-            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
-            start += n
-            if cache is not None:
-                kc, vc = cache.k[layer][rank], cache.v[layer][rank]
-                kc[slot, :, past:past + n] = ks
-                vc[slot, :, past:past + n] = vs
-                ks, vs = kc[slot, :, :past + n], vc[slot, :, :past + n]
-            elif past:
-                raise ValueError("a sequence with cached tokens needs the cache")
-            mask = torch.arange(past + n)[None, :] <= (past + torch.arange(n))[:, None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-            outs.append(o.transpose(0, 1))
-        return torch.cat(outs, dim=0)
+    def _prefill_attention(self, q, k, v, layer, rank, past, slot, cache):
+        """One sequence's new tokens (a prompt, or a chunk of one)."""
+        n = q.shape[0]
+        qs, ks, vs = (t.transpose(0, 1) for t in (q, k, v))
+        if cache is not None:
+            kc, vc = cache.k[layer][rank], cache.v[layer][rank]
+            kc[slot, :, past:past + n] = ks
+            vc[slot, :, past:past + n] = vs
+            ks, vs = kc[slot, :, :past + n], vc[slot, :, :past + n]
+        mask = torch.arange(past + n)[None, :] <= (past + torch.arange(n))[:, None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        return o.transpose(0, 1)
 
     def _decode_attention(self, q, k, v, layer, rank, cache, decode):
         kc, vc = cache.k[layer][rank], cache.v[layer][rank]
@@ -253,8 +284,9 @@ class ReferenceModel:
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.expert_tokens[layer.index] += counts
         w0 = layer.ranks[0]
-        if flat.numel() * (w0.fc[0].numel() + w0.proj[0].numel()) <= GATHER_LIMIT:
-            return self._moe_gathered(x, layer, ids, weights)
+        if x.shape[0] * self.num_experts * (w0.fc[0].numel() + w0.proj[0].numel()) \
+                <= DENSE_LIMIT:
+            return self._moe_dense(x, layer, ids, weights)
         order = torch.argsort(flat, stable=True)
         token_of = order // ids.shape[1]
         weight_of = weights.reshape(-1)[order]
@@ -272,21 +304,17 @@ class ReferenceModel:
             self._shared_expert(x, layer, w, out)
         return out
 
-    def _moe_gathered(self, x, layer: Layer, ids, weights) -> torch.Tensor:
-        """Few tokens (decode): gather each (token, expert) pair's weights and use one batched
-        matmul per projection instead of a loop over experts."""
+    def _moe_dense(self, x, layer: Layer, ids, weights) -> torch.Tensor:
+        """Every local expert on every token in two matmuls; unselected experts get weight 0
+        (same result as the loop; far fewer operations when the layer is small)."""
+        dense = torch.zeros(x.shape[0], self.num_experts).scatter_(1, ids, weights)
         out = torch.zeros_like(x)
-        k = ids.shape[1]
         for w in layer.ranks:
-            local = ids - w.experts.start
-            mine = (local >= 0) & (local < len(w.experts))
-            pairs = mine.nonzero()
-            if pairs.numel():
-                tok, slot = pairs[:, 0], pairs[:, 1]
-                experts = local[tok, slot]
-                up, gate = torch.bmm(w.fc[experts], x[tok, :, None])[..., 0].chunk(2, dim=-1)
-                y = torch.bmm(w.proj[experts], (F.silu(gate) * up)[..., None])[..., 0]
-                out.index_add_(0, tok, y * weights.reshape(-1)[tok * k + slot, None])
+            e_loc, inter = w.fc.shape[0], w.fc.shape[1] // 2
+            y = (x @ w.fc_flat.T).view(-1, e_loc, 2, inter)
+            act = F.silu(y[:, :, 1]) * y[:, :, 0]
+            act = act * dense[:, w.experts.start:w.experts.stop, None]
+            out += act.reshape(x.shape[0], -1) @ w.proj_flat
             self._shared_expert(x, layer, w, out)
         return out
 

@@ -11,6 +11,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -20,8 +21,8 @@ from moepipe.runtime.sampling import sample
 from moepipe.serving.request import GenerationRequest, RequestError
 
 log = logging.getLogger("moepipe")
-# Cancellation is asked of each request's sender (a call into the server): every few steps.
-CANCEL_CHECK_STEPS = 8
+# Cancellation may be a call into the server: asked every few steps, not every step.
+CANCEL_CHECK_STEPS = 4
 
 
 class Engine:
@@ -42,6 +43,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.stats = {"sequences": 0, "prefills": 0, "forward_s": 0.0}
 
     # -- public, thread-safe -------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> None:
@@ -102,20 +104,22 @@ class Engine:
             req.slot = self._free.pop(0)
             self._generators[req.slot] = torch.Generator().manual_seed(req.sampling.seed)
             admitted.append(req)
-        decoding = [r for r in self._running]
-        if admitted:
+        decoding = list(self._running)
+        batch = admitted + decoding  # prompts (prefill) and last tokens (decode), one forward
+        if batch:
+            tokens = [t for r in admitted for t in r.prompt] + [r.generated[-1] for r in decoding]
+            self.stats["sequences"] += len(batch)
+            self.stats["prefills"] += len(admitted)
+            started = time.perf_counter()
             logits = self.model.forward(
-                Batch(torch.tensor([t for r in admitted for t in r.prompt]),
-                      [len(r.prompt) for r in admitted], [0] * len(admitted),
-                      [r.slot for r in admitted]), self.cache)
-            self._advance(admitted, logits)
+                Batch(torch.tensor(tokens),
+                      [len(r.prompt) for r in admitted] + [1] * len(decoding),
+                      [0] * len(admitted) + [len(r.prompt) + len(r.generated) - 1
+                                             for r in decoding],
+                      [r.slot for r in batch]), self.cache)
+            self.stats["forward_s"] += time.perf_counter() - started
+            self._advance(batch, logits)
             self._running.extend(r for r in admitted if r.slot >= 0)
-        if decoding:
-            logits = self.model.forward(
-                Batch(torch.tensor([r.generated[-1] for r in decoding]), [1] * len(decoding),
-                      [len(r.prompt) + len(r.generated) - 1 for r in decoding],
-                      [r.slot for r in decoding]), self.cache)
-            self._advance(decoding, logits)
         self._running = [r for r in self._running if r.slot >= 0]
         self.steps += 1
         if self.on_step is not None:  # told whether the engine is now idle

@@ -92,13 +92,18 @@ def test_cli_lifecycle_non_decoupled(tmp_path):
         stream.set_data_from_numpy(np.array([[True]]))
         with pytest.raises(Exception, match="decoupled"):
             http.infer("ensemble", [text, n, stream])
+        http.close()  # an open keep-alive connection holds the server's shutdown
+        grpc.close()
         proc = _cli("validate", cwd=cfg.workdir)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "skip smoke.grpc_streaming" in proc.stdout
     finally:
         stopped = _cli("stop", cwd=cfg.workdir)
     assert stopped.returncode == 0 and f"stopped tritonserver pid {pid}" in stopped.stdout
+    assert "(forced)" not in stopped.stdout
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
+    left = subprocess.run(["pgrep", "-f", str(cfg.workdir)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "backend stubs were left behind"
     assert json.loads(_cli("status", "--json", cwd=cfg.workdir).stdout) == {"running": False}
     again = _cli("stop", cwd=cfg.workdir)
     assert again.returncode == 2 and "no server is recorded" in again.stderr

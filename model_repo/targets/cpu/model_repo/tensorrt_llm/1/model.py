@@ -8,6 +8,8 @@ which the engine still batches together. Expert routing is exported as Prometheu
 """
 
 import json
+import queue
+import sys
 import threading
 import time
 
@@ -54,6 +56,10 @@ class TritonPythonModel:
         self.name = args["model_name"]
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
         torch.set_num_threads(int(params.get("cpu_threads") or 1))
+        # The engine thread holds the GIL for most of a step; with Python's default 5 ms switch
+        # interval, execute() and the outbox wait that long for every GIL hand-over, and
+        # requests spend more time queued for the GIL than in the batch.
+        sys.setswitchinterval(0.0002)
         self.exclude_input = params.get("exclude_input_in_output", "true").lower() == "true"
         model = ReferenceModel(load_checkpoint(params["checkpoint_dir"]))
         self.family = pb_utils.MetricFamily(
@@ -78,6 +84,7 @@ class TritonPythonModel:
         self.engine = Engine(model, max_batch_size=int(cfg["max_batch_size"]),
                              max_seq_len=int(params["max_seq_len"]),
                              max_input_len=int(params["max_input_len"]), on_step=self._on_step)
+        self.outbox = _Outbox()
         self.engine.start()
 
     def _on_step(self, model, force=False):
@@ -100,7 +107,7 @@ class TritonPythonModel:
     def execute(self, requests):
         if self.decoupled:
             for request in requests:
-                self._submit(request, request.get_response_sender())
+                self._submit(request, self.outbox.track(request.get_response_sender()))
             return None
         done = [threading.Event() for _ in requests]
         slots = [None] * len(requests)
@@ -159,11 +166,11 @@ class TritonPythonModel:
             streaming=bool(_opt(request, "streaming", False, bool)),
             embedding_bias=torch.from_numpy(bias.copy()) if bias is not None and bias.size
             else None,
-            is_cancelled=sender.is_cancelled)
+            is_cancelled=getattr(sender, "cancelled", lambda: False))
         want_in = bool(_opt(request, "return_num_input_tokens", False, bool))
         want_out = bool(_opt(request, "return_num_output_tokens", False, bool))
 
-        def on_tokens(tokens, log_probs, final):
+        def respond(tokens, log_probs, final, cum_log_prob, generated):
             out = tokens if (exclude or req.streaming) else prompt + tokens
             tensors = [pb_utils.Tensor("output_ids", np.array([[out]], dtype=np.int32)),
                        pb_utils.Tensor("sequence_length", np.array([[len(out)]], np.int32)),
@@ -171,7 +178,7 @@ class TritonPythonModel:
                        pb_utils.Tensor("sequence_index", np.array([[0]], np.int32))]
             if req.return_log_probs:
                 tensors += [pb_utils.Tensor("cum_log_probs",
-                                            np.array([[sum(req.log_probs)]], np.float32)),
+                                            np.array([[cum_log_prob]], np.float32)),
                             pb_utils.Tensor("output_log_probs",
                                             np.array([[log_probs]], np.float32))]
             if want_in:
@@ -179,22 +186,106 @@ class TritonPythonModel:
                                                np.array([[len(prompt)]], np.int32)))
             if want_out:
                 tensors.append(pb_utils.Tensor("num_output_tokens",
-                                               np.array([[len(req.generated)]], np.int32)))
-            self._tokens += len(tokens) if req.streaming else len(req.generated)
+                                               np.array([[generated]], np.int32)))
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
                         flags=FINAL if final else 0)
 
-        def on_error(message):
+        def fail(message):
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
                         flags=FINAL)
+
+        # Called on the engine thread: snapshot what the response needs, then build and send
+        # it on the outbox thread (decoupled) so the engine never waits for the server.
+        def on_tokens(tokens, log_probs, final):
+            self._tokens += len(tokens) if req.streaming else len(req.generated)
+            args = (list(tokens), list(log_probs), final, sum(req.log_probs), len(req.generated))
+            if isinstance(sender, _Tracked):
+                self.outbox.put(respond, *args)
+            else:
+                respond(*args)
+
+        def on_error(message):
+            if isinstance(sender, _Tracked):
+                self.outbox.put(fail, message)
+            else:
+                fail(message)
 
         req.on_tokens, req.on_error = on_tokens, on_error
         return req
 
     def finalize(self):
         self.engine.stop()
-        self._on_step(self.engine.model, force=True)
+        self.outbox.stop()
+        e = self.engine
+        pb_utils.Logger.log_info(
+            f"moepipe engine: {e.steps} steps, {e.stats['sequences'] / max(e.steps, 1):.1f} "
+            f"sequences per step, {e.stats['prefills']} prefills, "
+            f"{e.stats['forward_s']:.2f}s in forward")
         del self.expert_metrics, self.tokens_metric, self.running_metric
+
+
+class _Tracked:
+    """A decoupled request's response sender, as the outbox thread sees it."""
+
+    def __init__(self, sender):
+        self.sender = sender
+        self.is_cancelled_flag = False
+        self.done = False
+
+    def cancelled(self):
+        return self.is_cancelled_flag
+
+    def send(self, response=None, flags=0):
+        self.sender.send(response, flags=flags)
+        if flags & FINAL:
+            self.done = True
+
+
+class _Outbox:
+    """Sends responses and polls cancellation on its own thread: both are round trips to the
+    server, and the engine should not wait for them between steps."""
+
+    POLL_S = 0.25
+
+    def __init__(self):
+        self._queue = queue.Queue()
+        self._live = []
+        self._thread = threading.Thread(target=self._run, name="moepipe-outbox", daemon=True)
+        self._thread.start()
+
+    def track(self, sender):
+        tracked = _Tracked(sender)
+        self._queue.put((self._live.append, (tracked,)))
+        return tracked
+
+    def put(self, fn, *args):
+        self._queue.put((fn, args))
+
+    def stop(self):
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self):
+        polled = time.monotonic()
+        while True:
+            try:
+                item = self._queue.get(timeout=self.POLL_S)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                fn, args = item
+                try:
+                    fn(*args)
+                except Exception as e:  # a client gone away must not stop the others
+                    pb_utils.Logger.log_warn(f"sending a response failed: {e}")
+            if time.monotonic() - polled >= self.POLL_S:
+                polled = time.monotonic()
+                self._live = [t for t in self._live if not t.done]
+                for t in self._live:
+                    if not t.is_cancelled_flag and t.sender.is_cancelled():
+                        t.is_cancelled_flag = True
 
 
 class _Collector:
