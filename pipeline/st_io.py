@@ -336,7 +336,8 @@ class SafetensorsWriter:
         self.path = path
         self._f = open(path, "wb")
         self._hash = hashlib.sha256()
-        self._queue: queue.Queue = queue.Queue(maxsize=8)
+        # sha256 runs on its own thread (it releases the GIL), overlapping the next reads
+        self._queue: queue.Queue = queue.Queue(maxsize=32)
         self._hasher = threading.Thread(target=self._hash_loop, daemon=True)
         self._hasher.start()
         self._emit(struct.pack("<Q", len(blob)) + blob)
@@ -417,7 +418,40 @@ def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-def sha256_file(path: Path, bufsize: int = 1 << 24) -> str:
+def convert_bytes(data: memoryview, src: DType, dst: DType) -> memoryview:
+    """Cast raw little-endian float data between float32, float16 and bfloat16 with numpy
+    (bfloat16 rounding: to nearest even, as torch does), so that converting a checkpoint never
+    needs torch."""
+    import numpy as np
+
+    if src == dst:
+        return data
+    if src == F32:
+        x = np.frombuffer(data, dtype=np.float32)
+    elif src == F16:
+        x = np.frombuffer(data, dtype=np.float16).astype(np.float32)
+    elif src == BF16:
+        x = (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        raise ValueError(f"cannot convert {src.name} to {dst.name}")
+    if dst == F32:
+        out = x
+    elif dst == F16:
+        with np.errstate(over="ignore"):  # out of range -> inf, as torch gives
+            out = x.astype(np.float16)
+    elif dst == BF16:
+        bits = x.view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        nan = np.isnan(x)
+        if nan.any():  # keep NaNs NaN (rounding could carry into the exponent)
+            rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+        out = rounded
+    else:
+        raise ValueError(f"cannot convert {src.name} to {dst.name}")
+    return memoryview(np.ascontiguousarray(out)).cast("B")
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
     h = hashlib.sha256()
     buf = bytearray(bufsize)
     view = memoryview(buf)

@@ -49,3 +49,11 @@ def hf_models(examples):
     logging.disable_progress_bar()
     return {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             for name, path in examples.items()}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_hash_cache(tmp_path_factory):
+    """Tests never touch the user's ~/.cache/moepipe."""
+    import os
+
+    os.environ["MOEPIPE_CACHE_DIR"] = str(tmp_path_factory.mktemp("moepipe-cache"))

@@ -34,6 +34,7 @@ from moepipe.st_io import (
     CheckpointReader,
     DType,
     SafetensorsWriter,
+    convert_bytes,
     sha256_file,
 )
 from moepipe.trtllm_config import build_config
@@ -43,7 +44,7 @@ log = logging.getLogger("moepipe")
 
 DTYPES = {"float32": F32, "float16": F16, "bfloat16": BF16}
 MANIFEST = "moepipe-manifest.json"
-BLOCK_BYTES = 8 << 20  # streaming block: bounds the converter's resident memory
+BLOCK_BYTES = 1 << 20  # streaming block: small enough to stay in CPU cache between read, hash and write
 
 
 class AliasReader:
@@ -242,16 +243,18 @@ def convert_checkpoint(ckpt: HFCheckpoint, output: Path, mapping: Mapping, *, dt
 
 
 def _hash_sources(folder: Path, out: dict[str, str]) -> None:
+    from moepipe.hashcache import file_sha256
+
     for path in sorted(folder.iterdir()):
         if path.is_file() and (path.suffix in (".safetensors", ".json")):
-            out[path.name] = sha256_file(path)
+            out[path.name] = file_sha256(path)
 
 
 def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path) -> str:
     tensors = plan.ranks[rank]
     writer = SafetensorsWriter(folder / f"rank{rank}.safetensors",
                                [(t.name, t.dtype, t.shape) for t in tensors])
-    pool = BufferPool(4, BLOCK_BYTES)
+    pool = BufferPool(16, BLOCK_BYTES)
     try:
         for t in tensors:
             for chunk in t.rule.chunks(t.ctx, reader):
@@ -273,10 +276,17 @@ def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointRead
         writer.write_zeros(chunk.rows * chunk.cols * dtype.itemsize)
         return
     region = reader.region(chunk.name, chunk.index)
-    if region.cut is not None:
-        writer.write(reader.read(chunk.name, chunk.index))
-        return
     src = region.info.dtype
+    if region.cut is not None:  # a column slice: read the covering block, cut it in memory
+        import numpy as np
+
+        raw = np.empty(region.nbytes, dtype=np.uint8)
+        reader.read_bytes(region.info.file, region.offset, memoryview(raw))
+        unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[src.itemsize]
+        block = raw.view(unit).reshape(region.block_shape)[region.cut]
+        data = memoryview(np.ascontiguousarray(block)).cast("B")
+        writer.write_bytes(convert_bytes(data, src, dtype))
+        return
     step = BLOCK_BYTES - BLOCK_BYTES % src.itemsize
     for start in range(0, region.nbytes, step):
         n = min(step, region.nbytes - start)
@@ -286,8 +296,5 @@ def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointRead
         if src == dtype:
             writer.write_bytes(view, release=lambda b=buf: pool.put(b))
         else:
-            import torch
-
-            block = torch.frombuffer(buf, dtype=torch.uint8, count=n)
-            writer.write(block.view(src.torch))
+            writer.write_bytes(convert_bytes(view, src, dtype))
             pool.put(buf)

@@ -34,3 +34,22 @@ def test_writer_streams_chunks_into_a_standard_file(tmp_path):
     import hashlib
 
     assert digest == hashlib.sha256((tmp_path / "o.safetensors").read_bytes()).hexdigest()
+
+
+def test_dtype_conversion_matches_torch_bit_for_bit():
+    import numpy as np
+
+    from moepipe.st_io import F16, convert_bytes
+
+    x = torch.cat([torch.randn(20000) * 10, torch.tensor(
+        [float("inf"), -float("inf"), 0.0, -0.0, 1.00390625, 1.01171875, 3.4e38, 1e-40, 7e4])])
+    kinds = [(torch.float32, F32), (torch.float16, F16), (torch.bfloat16, BF16)]
+    for s_t, s_d in kinds:
+        src = x.to(s_t).contiguous()
+        for d_t, d_d in kinds:
+            got = bytes(convert_bytes(memoryview(src.view(torch.uint8).numpy()), s_d, d_d))
+            assert got == src.to(d_t).view(torch.uint8).numpy().tobytes(), (s_d, d_d)
+    nan = torch.tensor([float("nan")] * 4)
+    out = np.frombuffer(bytes(convert_bytes(memoryview(nan.view(torch.uint8).numpy()), F32,
+                                            BF16)), np.uint16)
+    assert torch.isnan(torch.from_numpy(out.copy()).view(torch.bfloat16).float()).all()
