@@ -44,7 +44,8 @@ log = logging.getLogger("moepipe")
 
 DTYPES = {"float32": F32, "float16": F16, "bfloat16": BF16}
 MANIFEST = "moepipe-manifest.json"
-BLOCK_BYTES = 1 << 20  # streaming block: small enough to stay in CPU cache between read, hash and write
+# Streaming block: small enough to stay in CPU cache between read, hash and write.
+BLOCK_BYTES = 1 << 20
 
 
 class AliasReader:

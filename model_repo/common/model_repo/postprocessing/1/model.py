@@ -27,8 +27,8 @@ class TritonPythonModel:
             lengths = lengths.reshape(tokens.shape[0], -1)
             texts = [[self.tokenizer.decode(beam[: int(n)].tolist(),
                                             skip_special_tokens=self.skip_special)
-                      .encode("utf-8") for beam, n in zip(batch, lens)]
-                     for batch, lens in zip(tokens, lengths)]
+                      .encode("utf-8") for beam, n in zip(batch, lens, strict=True)]
+                     for batch, lens in zip(tokens, lengths, strict=True)]
             out = np.array(texts, dtype=object).reshape(tokens.shape[0], -1)
             responses.append(pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor("OUTPUT", out)]))

@@ -14,7 +14,6 @@ import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
 
-
 def _bool(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes")
 
@@ -100,7 +99,7 @@ class TritonPythonModel:
         if len(words) != len(weights):
             raise ValueError(f"{len(words)} embedding_bias_words but {len(weights)} weights")
         bias = np.zeros(self.vocab_size, dtype=np.float32)
-        for word, weight in zip(words, weights):
+        for word, weight in zip(words, weights, strict=True):
             for token in self.tokenizer.encode(word, add_special_tokens=False)[:1]:
                 bias[token] += weight
         return bias.reshape(1, -1)
