@@ -1,7 +1,8 @@
 """The wheel carries every subpackage and every template (a plain `pip install .` works)."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import moepipe
 from moepipe.deploy.render import templates_root
