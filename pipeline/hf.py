@@ -11,6 +11,7 @@ from moepipe.arch import get_family
 from moepipe.arch.family import Family
 from moepipe.arch.spec import ModelSpec
 from moepipe.errors import CheckpointError, UnsupportedError
+from moepipe.quant.trtllm import QuantInfo
 from moepipe.st_io import CheckpointReader
 
 
@@ -20,6 +21,7 @@ class HFCheckpoint:
     config: dict[str, Any]
     family: Family
     spec: ModelSpec
+    quant: QuantInfo | None = None  # a modelopt unified (quantized) checkpoint
 
     def reader(self) -> CheckpointReader:
         return CheckpointReader(self.path)
@@ -52,9 +54,16 @@ def open_hf_checkpoint(path: str | Path) -> HFCheckpoint:
         raise CheckpointError(f"{path / 'config.json'}: no 'architectures' entry",
                               "moepipe selects the converter by architectures[0]")
     family = get_family(archs[0])
+    quant = None
     if "quantization_config" in config:
-        raise UnsupportedError(
-            f"{path}: is already quantized ({config['quantization_config'].get('quant_method')})",
-            "give moepipe the unquantized checkpoint and choose a format in the quantize section")
+        method = config["quantization_config"].get("quant_method")
+        if method != "modelopt" or not (path / "hf_quant_config.json").is_file():
+            raise UnsupportedError(
+                f"{path}: is already quantized ({method}); moepipe converts unquantized "
+                "checkpoints and its own (modelopt) quantized ones",
+                "give moepipe the unquantized checkpoint and choose a format in the quantize "
+                "section")
+        quant = QuantInfo.parse(read_json(path / "hf_quant_config.json", "it"),
+                                str(path / "hf_quant_config.json"))
     spec = family.spec(config, str(path / "config.json"))
-    return HFCheckpoint(path=path, config=config, family=family, spec=spec)
+    return HFCheckpoint(path=path, config=config, family=family, spec=spec, quant=quant)

@@ -48,6 +48,9 @@ class Family:
     runtime_facts: Callable[[dict[str, Any]], RuntimeFacts]
     config_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
     config_defaults: dict[str, Any] = field(default_factory=dict)
+    # Names of an expert's (gate, up, down) linears in the HF checkpoint (quantize unfuses
+    # transformers' fused experts into modules with these names).
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     # Alternative HF name of a source (template -> template), tried when the first is absent.
     source_aliases: dict[str, str] = field(default_factory=dict)
     # HF tensors that exist on disk but carry nothing TensorRT-LLM needs (regex on the full name).

@@ -48,6 +48,7 @@ FAMILY = Family(
         "tie_word_embeddings": "tie_word_embeddings",
     },
     runtime_facts=llama_runtime_facts,
+    expert_names=("w1", "w3", "w2"),
     # transformers 5 keeps the router as mlp.gate in memory (fused-expert layout).
     source_aliases={"model.layers.{layer}.block_sparse_moe.gate.weight":
                     "model.layers.{layer}.mlp.gate.weight"},

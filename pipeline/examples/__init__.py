@@ -39,6 +39,11 @@ EXAMPLES: dict[str, Example] = {
         "MixtralConfig", "Mixtral-style: 8 experts, top-2, GQA (4 heads / 2 KV heads)",
         dict(_COMMON, vocab_size=512, intermediate_size=32, num_local_experts=8,
              num_experts_per_tok=2, rope_theta=1e6)),
+    "tiny-mixtral-256": Example(
+        "MixtralConfig", "Mixtral-style with hidden and expert sizes of 256: INT4-AWQ quantizes "
+        "in blocks of 128 input channels, also per tp=2 shard",
+        dict(_COMMON, hidden_size=256, num_hidden_layers=2, vocab_size=512, intermediate_size=256,
+             num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6), seed=4567),
     "tiny-qwen2-moe": Example(
         "Qwen2MoeConfig", "Qwen2-MoE-style: 8 experts top-2 + gated shared expert, QKV bias, "
         "vocab 514 (not a multiple of 4: exercises lm_head padding)",
@@ -120,3 +125,19 @@ def write_example(name: str, out: str | Path, overwrite: bool = False) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
     return out
+
+
+def example_spec(name: str):
+    """The :class:`~moepipe.arch.spec.ModelSpec` of example ``name`` without writing it."""
+    import transformers
+
+    from moepipe.arch import get_family
+
+    if name not in EXAMPLES:
+        raise ConfigError(f"unknown example '{name}'",
+                          f"choose one of: {', '.join(sorted(EXAMPLES))}")
+    ex = EXAMPLES[name]
+    config = getattr(transformers, ex.config_class)(**ex.config, dtype="float32").to_dict()
+    arch = ex.config_class.replace("Config", "ForCausalLM")
+    config["architectures"] = [arch]
+    return get_family(arch).spec(config, f"example {name}")

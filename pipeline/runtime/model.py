@@ -13,13 +13,15 @@ cache slot and the number of tokens already cached - ragged prefill and batched 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from moepipe.errors import CheckpointError
 from moepipe.mapping import stage_layers
+from moepipe.quant import dequant
+from moepipe.quant.dequant import ActQuant
 from moepipe.routing import RouteFn, route
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
 
@@ -47,6 +49,13 @@ class RankLayer:
     shared_proj: torch.Tensor | None
     heads: int
     kv_heads: int
+    # activation quantizers of the linears (quantized checkpoints), and the KV cache's
+    aq: dict[str, ActQuant | None] = field(default_factory=dict)
+    kv: ActQuant | None = None
+
+    def quant(self, which: str, x: torch.Tensor) -> torch.Tensor:
+        q = self.aq.get(which)
+        return x if q is None else q(x)
 
 
 @dataclass
@@ -141,6 +150,9 @@ class ReferenceModel:
         self.eps = float(cfg.get("norm_epsilon", 1e-5))
         self.vocab_size = ckpt.vocab_size
         self.num_experts = ckpt.routing.num_experts
+        quant = cfg.get("quantization") or {}
+        self.quant_algo = quant.get("quant_algo")
+        self.kv_algo = quant.get("kv_cache_quant_algo")
         rot_dim = int(cfg.get("rotary_embedding_dim") or self.head_size)
         base = float(cfg.get("rotary_base", 10000.0))
         self.inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float()
@@ -167,18 +179,33 @@ class ReferenceModel:
                                   "the checkpoint does not match its config.json")
         return tensors[name].float()
 
+    def _linear(self, rank: int, name: str, needed: bool = True):
+        """(float weight, activation quantizer) of a linear layer, dequantized if needed."""
+        tensors = self.ckpt.ranks[rank]
+        if f"{name}.weight" not in tensors:
+            if not needed:
+                return None, None
+            self._get(rank, f"{name}.weight")  # raises the clear error
+        return dequant.linear(tensors, name, self.quant_algo)
+
     def _layer(self, index: int, p: str, ranks: list[int]) -> Layer:
         facts, m = self.ckpt.facts, self.mapping
         per_rank = []
         heads = self.num_heads // m.tp
         kv_heads = max(1, self.num_kv_heads // m.tp)
+        shared = bool(facts.shared_expert_intermediate_size)
         for rank in ranks:
-            fc = self._get(rank, p + "mlp.fc.weight")
-            proj = self._get(rank, p + "mlp.proj.weight")
+            qkv, qkv_aq = self._linear(rank, p + "attention.qkv")
+            dense, dense_aq = self._linear(rank, p + "attention.dense")
+            fc, fc_aq = self._linear(rank, p + "mlp.fc")
+            proj, proj_aq = self._linear(rank, p + "mlp.proj")
+            shared_fc, shared_fc_aq = self._linear(rank, p + "mlp.shared_expert.fc", shared)
+            shared_proj, shared_proj_aq = self._linear(rank, p + "mlp.shared_expert.proj",
+                                                       shared)
             per_rank.append(RankLayer(
-                qkv=self._get(rank, p + "attention.qkv.weight"),
+                qkv=qkv,
                 qkv_bias=self._get(rank, p + "attention.qkv.bias") if facts.attn_bias else None,
-                dense=self._get(rank, p + "attention.dense.weight"),
+                dense=dense,
                 q_norm=self._get(rank, p + "attention.q_layernorm.weight") if facts.qk_norm
                 else None,
                 k_norm=self._get(rank, p + "attention.k_layernorm.weight") if facts.qk_norm
@@ -186,18 +213,19 @@ class ReferenceModel:
                 experts=m.ep_experts(self.num_experts, rank),
                 fc=fc, proj=proj, fc_flat=fc.reshape(-1, fc.shape[-1]),
                 proj_flat=proj.transpose(1, 2).reshape(-1, proj.shape[1]).contiguous(),
-                shared_fc=self._get(rank, p + "mlp.shared_expert.fc.weight")
-                if facts.shared_expert_intermediate_size else None,
-                shared_proj=self._get(rank, p + "mlp.shared_expert.proj.weight")
-                if facts.shared_expert_intermediate_size else None,
-                heads=heads, kv_heads=kv_heads))
+                shared_fc=shared_fc if shared else None,
+                shared_proj=shared_proj if shared else None,
+                heads=heads, kv_heads=kv_heads,
+                aq={"qkv": qkv_aq, "dense": dense_aq, "fc": fc_aq, "proj": proj_aq,
+                    "shared_fc": shared_fc_aq, "shared_proj": shared_proj_aq},
+                kv=dequant.kv_quant(self.ckpt.ranks[rank], p + "attention.", self.kv_algo)))
         r0 = ranks[0]
         return Layer(index=index,
                      input_norm=self._get(r0, p + "input_layernorm.weight"),
                      post_norm=self._get(r0, p + "post_layernorm.weight"),
                      router=self._get(r0, p + "mlp.router.weight"),
                      shared_gate=self._get(r0, p + "mlp.shared_expert_gate.weight")
-                     if facts.shared_expert_intermediate_size else None,
+                     if shared else None,
                      ranks=per_rank)
 
     # -- forward -------------------------------------------------------------------------
@@ -231,7 +259,7 @@ class ReferenceModel:
     def _attention(self, x, w: RankLayer, layer: int, rank: int, cos, sin,
                    plan: _AttentionPlan, cache: KVCache | None) -> torch.Tensor:
         hd = self.head_size
-        qkv = x @ w.qkv.T
+        qkv = w.quant("qkv", x) @ w.qkv.T
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         q, k, v = qkv.split([w.heads * hd, w.kv_heads * hd, w.kv_heads * hd], dim=-1)
@@ -243,6 +271,8 @@ class ReferenceModel:
             k = rms_norm(k, w.k_norm, self.eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if w.kv is not None:  # the cache holds quantized keys and values
+            k, v = w.kv(k), w.kv(v)
         out = torch.empty_like(q)
         if plan.decode is not None:
             idx = plan.decode[0]
@@ -252,7 +282,7 @@ class ReferenceModel:
             out[start:start + n] = self._prefill_attention(
                 q[start:start + n], k[start:start + n], v[start:start + n], layer, rank,
                 past, slot, cache)
-        return out.reshape(-1, w.heads * hd) @ w.dense.T
+        return w.quant("dense", out.reshape(-1, w.heads * hd)) @ w.dense.T
 
     def _prefill_attention(self, q, k, v, layer, rank, past, slot, cache):
         """One sequence's new tokens (a prompt, or a chunk of one)."""
@@ -298,8 +328,8 @@ class ReferenceModel:
                 if start == stop:
                     continue
                 idx = token_of[start:stop]
-                up, gate = (x[idx] @ w.fc[local].T).chunk(2, dim=-1)
-                y = (F.silu(gate) * up) @ w.proj[local].T
+                up, gate = (w.quant("fc", x[idx]) @ w.fc[local].T).chunk(2, dim=-1)
+                y = w.quant("proj", F.silu(gate) * up) @ w.proj[local].T
                 out.index_add_(0, idx, y * weight_of[start:stop, None])
             self._shared_expert(x, layer, w, out)
         return out
@@ -311,8 +341,8 @@ class ReferenceModel:
         out = torch.zeros_like(x)
         for w in layer.ranks:
             e_loc, inter = w.fc.shape[0], w.fc.shape[1] // 2
-            y = (x @ w.fc_flat.T).view(-1, e_loc, 2, inter)
-            act = F.silu(y[:, :, 1]) * y[:, :, 0]
+            y = (w.quant("fc", x) @ w.fc_flat.T).view(-1, e_loc, 2, inter)
+            act = w.quant("proj", F.silu(y[:, :, 1]) * y[:, :, 0])
             act = act * dense[:, w.experts.start:w.experts.stop, None]
             out += act.reshape(x.shape[0], -1) @ w.proj_flat
             self._shared_expert(x, layer, w, out)
@@ -321,6 +351,6 @@ class ReferenceModel:
     @staticmethod
     def _shared_expert(x, layer: Layer, w: RankLayer, out: torch.Tensor) -> None:
         if w.shared_fc is not None:
-            up, gate = (x @ w.shared_fc.T).chunk(2, dim=-1)
-            shared = (F.silu(gate) * up) @ w.shared_proj.T
+            up, gate = (w.quant("shared_fc", x) @ w.shared_fc.T).chunk(2, dim=-1)
+            shared = w.quant("shared_proj", F.silu(gate) * up) @ w.shared_proj.T
             out += torch.sigmoid(x @ layer.shared_gate.T) * shared

@@ -14,6 +14,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from moepipe.errors import CheckpointError, ConfigError
 from moepipe.fsutil import atomic_dir
 from moepipe.hf import HFCheckpoint, open_hf_checkpoint
 from moepipe.mapping import Mapping, check_mapping
+from moepipe.quant.trtllm import QuantInfo, quantized_rules
 from moepipe.st_io import (
     BF16,
     F16,
@@ -69,6 +71,10 @@ class AliasReader:
     def ref(self, name: str, index: tuple = ()) -> SliceRef:
         return SliceRef(self.resolve(name), index)
 
+    def read(self, name: str, index: tuple = ()):
+        """A computed chunk's input (torch): quantized checkpoints need arithmetic."""
+        return self.reader.read(self.resolve(name), index)
+
 
 @dataclass
 class PlannedTensor:
@@ -87,12 +93,14 @@ class Plan:
     dtype: str
     ranks: list[list[PlannedTensor]]
     sources: set[str] = field(default_factory=set)
+    quant: QuantInfo | None = None
 
     def rank_bytes(self, rank: int) -> int:
         return sum(t.dtype.itemsize * _numel(t.shape) for t in self.ranks[rank])
 
     def config(self) -> dict:
-        return build_config(self.family, self.spec, self.mapping, self.dtype)
+        block = self.quant.block() if self.quant is not None else None
+        return build_config(self.family, self.spec, self.mapping, self.dtype, block)
 
 
 def _numel(shape) -> int:
@@ -111,7 +119,7 @@ def _aliases(family: Family, spec: ModelSpec) -> dict[str, str]:
 
 
 def plan_conversion(family: Family, spec: ModelSpec, mapping: Mapping, dtype: str,
-                    reader) -> Plan:
+                    reader, quant: QuantInfo | None = None) -> Plan:
     """Plan every rank's tensors and validate the source checkpoint against the plan.
 
     ``reader`` only needs ``has`` and ``shape`` (so a shape-only reader of a meta-device model
@@ -132,9 +140,13 @@ def plan_conversion(family: Family, spec: ModelSpec, mapping: Mapping, dtype: st
         for layer in layers:
             ctx = RankContext(spec, mapping, rank, layer, out_dtype)
             for suffix, rule in family.layer_rules.items():
-                if rule.enabled(spec):
-                    name = f"transformer.layers.{layer - layers.start}.{suffix}"
-                    tensors.append(_plan_one(name, rule, ctx, reader, sources, expected))
+                if not rule.enabled(spec):
+                    continue
+                rules = {suffix: rule} if quant is None else quantized_rules(
+                    suffix, rule, reader, ctx, quant, out_dtype, family.layer_rules)
+                for sfx, r in rules.items():
+                    name = f"transformer.layers.{layer - layers.start}.{sfx}"
+                    tensors.append(_plan_one(name, r, ctx, reader, sources, expected))
         ctx = RankContext(spec, mapping, rank, None, out_dtype)
         for name, (stage, rule) in family.model_rules.items():
             on_stage = (mapping.is_first_stage(rank) if stage == "first"
@@ -143,7 +155,7 @@ def plan_conversion(family: Family, spec: ModelSpec, mapping: Mapping, dtype: st
                 tensors.append(_plan_one(name, rule, ctx, reader, sources, expected))
         ranks.append(tensors)
     _validate_sources(reader, expected)
-    return Plan(family, spec, mapping, dtype, ranks, {reader.resolve(s) for s in sources})
+    return Plan(family, spec, mapping, dtype, ranks, {reader.resolve(s) for s in sources}, quant)
 
 
 def _plan_one(name, rule, ctx, reader, sources, expected) -> PlannedTensor:
@@ -198,14 +210,27 @@ def convert(model_dir: str | Path, output: str | Path, *, dtype: str = "auto", t
 
 
 def convert_checkpoint(ckpt: HFCheckpoint, output: Path, mapping: Mapping, *, dtype: str = "auto",
-                       workers: int = 1, overwrite: bool = False) -> ConvertResult:
+                       workers: int = 1, overwrite: bool = False,
+                       progress: Callable[[str], None] | None = None) -> ConvertResult:
+    """Convert into ``output``, which appears (atomically) only when complete."""
+    start = time.perf_counter()
+    with atomic_dir(output, overwrite) as tmp:
+        res = convert_into(ckpt, tmp, mapping, dtype=dtype, workers=workers, progress=progress)
+    res.output, res.seconds = output, time.perf_counter() - start
+    return res
+
+
+def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: str = "auto",
+                 workers: int = 1,
+                 progress: Callable[[str], None] | None = None) -> ConvertResult:
+    """Write the TensorRT-LLM checkpoint into the (empty, temporary) ``folder``."""
     start = time.perf_counter()
     if dtype == "auto":
         dtype = ckpt.spec.torch_dtype
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     with ckpt.reader() as reader:
-        plan = plan_conversion(ckpt.family, ckpt.spec, mapping, dtype, reader)
+        plan = plan_conversion(ckpt.family, ckpt.spec, mapping, dtype, reader, ckpt.quant)
         extra = unmapped_tensors(plan, reader.tensors, ckpt.family)
         if extra:
             raise CheckpointError(
@@ -216,31 +241,29 @@ def convert_checkpoint(ckpt: HFCheckpoint, output: Path, mapping: Mapping, *, dt
         hasher = threading.Thread(target=_hash_sources, args=(ckpt.path, source_hashes),
                                   daemon=True)
         hasher.start()
-        with atomic_dir(output, overwrite) as tmp:
-            files: dict[str, str] = {}
-            config_text = json.dumps(plan.config(), indent=4) + "\n"
-            (tmp / "config.json").write_text(config_text)
-            alias = AliasReader(reader, _aliases(ckpt.family, ckpt.spec))
-            with ThreadPoolExecutor(max_workers=min(workers, mapping.world_size)) as pool:
-                digests = list(pool.map(lambda r: _write_rank(plan, r, alias, tmp),
-                                        range(mapping.world_size)))
-            files["config.json"] = sha256_file(tmp / "config.json")
-            for rank, digest in enumerate(digests):
-                files[f"rank{rank}.safetensors"] = digest
-            hasher.join()
-            manifest = {
-                "kind": "trtllm-checkpoint",
-                "architecture": ckpt.family.trtllm_architecture,
-                "dtype": dtype,
-                "mapping": {"tp": mapping.tp, "pp": mapping.pp, "moe_tp": mapping.moe_tp,
-                            "moe_ep": mapping.moe_ep, "world_size": mapping.world_size},
-                "source": {"name": ckpt.path.resolve().name, "sha256": source_hashes},
-                "output": {"sha256": files},
-                "versions": {"moepipe": __version__, "trtllm_format": TRTLLM_ENGINE_VERSION},
-            }
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            written = sum(p.stat().st_size for p in tmp.iterdir())
-    return ConvertResult(output, plan, files, written, time.perf_counter() - start)
+        files: dict[str, str] = {}
+        (folder / "config.json").write_text(json.dumps(plan.config(), indent=4) + "\n")
+        alias = AliasReader(reader, _aliases(ckpt.family, ckpt.spec))
+        with ThreadPoolExecutor(max_workers=min(workers, mapping.world_size)) as pool:
+            digests = list(pool.map(lambda r: _write_rank(plan, r, alias, folder, progress),
+                                    range(mapping.world_size)))
+        files["config.json"] = sha256_file(folder / "config.json")
+        for rank, digest in enumerate(digests):
+            files[f"rank{rank}.safetensors"] = digest
+        hasher.join()
+        manifest = {
+            "kind": "trtllm-checkpoint",
+            "architecture": ckpt.family.trtllm_architecture,
+            "dtype": dtype,
+            "mapping": {"tp": mapping.tp, "pp": mapping.pp, "moe_tp": mapping.moe_tp,
+                        "moe_ep": mapping.moe_ep, "world_size": mapping.world_size},
+            "source": {"name": ckpt.path.resolve().name, "sha256": source_hashes},
+            "output": {"sha256": files},
+            "versions": {"moepipe": __version__, "trtllm_format": TRTLLM_ENGINE_VERSION},
+        }
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        written = sum(p.stat().st_size for p in folder.iterdir())
+    return ConvertResult(folder, plan, files, written, time.perf_counter() - start)
 
 
 def _hash_sources(folder: Path, out: dict[str, str]) -> None:
@@ -251,7 +274,8 @@ def _hash_sources(folder: Path, out: dict[str, str]) -> None:
             out[path.name] = file_sha256(path)
 
 
-def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path) -> str:
+def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path,
+                progress: Callable[[str], None] | None = None) -> str:
     tensors = plan.ranks[rank]
     writer = SafetensorsWriter(folder / f"rank{rank}.safetensors",
                                [(t.name, t.dtype, t.shape) for t in tensors])
@@ -265,6 +289,8 @@ def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path) -> str
         writer.abort()
         raise
     log.info("rank %d: %d tensors written", rank, len(tensors))
+    if progress is not None:
+        progress(f"rank {rank}: {len(tensors)} tensors")
     return digest
 
 
@@ -275,6 +301,9 @@ def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointRead
     one expert matrix) and cut in memory."""
     if isinstance(chunk, Zeros):
         writer.write_zeros(chunk.rows * chunk.cols * dtype.itemsize)
+        return
+    if not isinstance(chunk, SliceRef):  # computed (torch) chunk of a quantized tensor
+        writer.write(chunk)
         return
     region = reader.region(chunk.name, chunk.index)
     src = region.info.dtype
