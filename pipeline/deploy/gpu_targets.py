@@ -39,7 +39,9 @@ TensorRT-LLM decides: ``gpu_device_ids`` (leader mode uses the visible GPUs in r
 launch.sh checks there are exactly world_size) and ``participant_ids`` (orchestrator mode only).
 launch.sh reads the world size, max_beam_width and version from the engine's own config.json at
 start and refuses to run when they disagree with the rendered values, the visible GPUs or the
-installed TensorRT-LLM.
+installed TensorRT-LLM. When the engine exists at render time, its world size and its recorded
+TensorRT-LLM version (which must be :data:`moepipe.versions.TRTLLM_ENGINE_VERSION`) are checked
+already here.
 
 ``trtllm-pytorch`` - TensorRT-LLM's PyTorch backend (LLM API) inside a Python model
 (``targets/trtllm-pytorch/model_repo/tensorrt_llm/``: ``config.pbtxt``, ``1/model.yaml``,
@@ -79,7 +81,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moepipe.errors import CheckpointError, ConfigError, MappingError
+from moepipe.errors import CheckpointError, ConfigError, MappingError, MoepipeError
 from moepipe.mapping import Mapping
 from moepipe.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
 
@@ -140,6 +142,31 @@ def engine_world_size(config: dict[str, Any], where: str = "engine config.json")
     return world
 
 
+def engine_config_version(config: dict[str, Any], where: str = "engine config.json") -> str:
+    """The TensorRT-LLM version that built an engine (``version`` of its ``config.json``, which
+    trtllm-build writes from ``tensorrt_llm.__version__``)."""
+    version = config.get("version")
+    if not isinstance(version, str) or not version.strip() or len(version.split()) != 1:
+        raise CheckpointError(f"{where} records no TensorRT-LLM version (got {version!r})",
+                              "rebuild the engine with `moepipe build`")
+    return version.strip()
+
+
+def check_engine_version(config: dict[str, Any], where: str) -> str:
+    """Refuse an engine built by a TensorRT-LLM other than the pinned one: engines are not
+    portable across TensorRT-LLM (or TensorRT) versions, and the deployment runs in the
+    container of :data:`TRTLLM_ENGINE_VERSION`."""
+    version = engine_config_version(config, where)
+    if version != TRTLLM_ENGINE_VERSION:
+        raise MoepipeError(
+            f"{where}: the engine was built with TensorRT-LLM {version}, but moepipe deploys "
+            f"with TensorRT-LLM {TRTLLM_ENGINE_VERSION} ({TRITON_TRTLLM_CONTAINER})",
+            f"rebuild the engine (`moepipe build`) inside {TRITON_TRTLLM_CONTAINER}; or, to "
+            f"serve TensorRT-LLM {version} engines, set TRTLLM_VERSION and TRITON_TRTLLM_IMAGE "
+            "in docker/versions.env and rebuild moepipe and its image (docker/Dockerfile)")
+    return version
+
+
 def _logits_datatype(engine_cfg: dict[str, Any] | None, art: Artifacts) -> str:
     dtype = None
     if engine_cfg is not None:
@@ -167,6 +194,7 @@ def engine_values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, st
     engine_cfg = _read_json(engine / "config.json")
     if engine_cfg is not None:  # built already: catch a mismatch now rather than at launch
         built = engine_world_size(engine_cfg, str(engine / "config.json"))
+        check_engine_version(engine_cfg, str(engine / "config.json"))
         if built != mapping.world_size:
             raise MappingError(
                 f"{engine}: the engine was built for world size {built}, but the config asks "
