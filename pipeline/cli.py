@@ -123,6 +123,9 @@ def init(model: Path | None = typer.Option(None, "--model", help="HF checkpoint 
          tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
          moe_tp: int | None = typer.Option(None, "--moe-tp"),
          moe_ep: int | None = typer.Option(None, "--moe-ep"),
+         quantize: str = typer.Option("none", "--quantize",
+                                      help="none | fp8 | int8_sq | int4_awq | w4a8_awq | nvfp4"),
+         kv_cache: str = typer.Option("none", "--kv-cache", help="none | fp8 | int8"),
          force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
          config: Path = typer.Option(Path("moepipe.yaml"), "-c", "--config",
                                      help="File to write.")) -> None:
@@ -140,17 +143,29 @@ def init(model: Path | None = typer.Option(None, "--model", help="HF checkpoint 
     if model is not None:
         path_text = os.path.relpath(model.resolve(), config.resolve().parent)
     text = render_init(model_path=path_text, example=example_name, target=target, tp=tp,
-                       pp=pp, moe_tp=moe_tp, moe_ep=moe_ep)
+                       pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, quantize=quantize,
+                       kv_cache=kv_cache)
     write_text_atomic(config, text)
     _echo(f"wrote {config}; next: moepipe build")
 
 
 @app.command()
-def build(config: Path | None = ConfigOpt) -> None:
-    """Run the build stages for the config: inspect -> convert."""
+def build(config: Path | None = ConfigOpt,
+          dry_run: bool = typer.Option(False, "--dry-run",
+                                       help="Print the plan (stages to run or reuse, commands, "
+                                            "memory estimates); change nothing."),
+          force: list[str] | None = typer.Option(None, "--force",
+                                                 help="Rerun this stage (repeatable)."),
+          until: str | None = typer.Option(None, "--until",
+                                           help="Stop after this stage (e.g. convert: prepare "
+                                                "the checkpoint on a machine without a GPU).")
+          ) -> None:
+    """Run the stages the config's target needs: inspect -> quantize -> convert -> engine.
+    Unchanged stages are reused; interrupted builds resume."""
     from moepipe.build import run_build
 
-    run_build(config, echo=_echo)
+    run_build(config, echo=typer.echo if dry_run else _echo, force=tuple(force or ()),
+              dry_run=dry_run, until=until)
 
 
 @app.command()
@@ -241,7 +256,10 @@ def validate(config: Path | None = ConfigOpt,
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        app(args=argv, standalone_mode=False)
+        # Without standalone mode click returns typer.Exit's code instead of exiting.
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except MoepipeError as e:
         if _state["debug"]:
             raise

@@ -62,6 +62,42 @@ class ConvertSection(Section):
     workers: int = Field(1, ge=1, description="Ranks converted in parallel.")
 
 
+QuantFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"]
+KvCacheFormat = Literal["none", "fp8", "int8"]
+GPU_ONLY_FORMATS = ("w4a8_awq", "nvfp4")
+
+
+class CalibrationSection(Section):
+    dataset: Path | None = Field(None, description="Text (.txt) or JSON-lines (.jsonl) file; "
+                                                   "default: the corpus shipped with moepipe.")
+    text_field: str = Field("text", description="The JSON-lines key holding the text.")
+    samples: int = Field(32, ge=1, description="Calibration sequences.")
+    seq_len: int = Field(64, ge=8, description="Tokens per calibration sequence.")
+    batch_size: int = Field(4, ge=1)
+    eval_samples: int = Field(8, ge=1, description="Held-out sequences (after the calibration "
+                                                   "ones) on which quality is measured.")
+
+
+class QualitySection(Section):
+    """Quantization quality gates (None: measured and recorded, not enforced)."""
+
+    min_top1_agreement: float | None = Field(None, ge=0, le=1, description="Fraction of "
+                                             "positions whose top-1 token matches the "
+                                             "unquantized model.")
+    min_logit_cosine: float | None = Field(None, ge=-1, le=1, description="Mean cosine "
+                                           "similarity of logits to the unquantized model's.")
+    max_ppl_delta: float | None = Field(None, ge=0, description="Largest allowed increase of "
+                                        "held-out perplexity over the unquantized model's.")
+
+
+class QuantizeSection(Section):
+    format: QuantFormat = Field("none", description="Weight/activation format (modelopt). "
+                                                    "w4a8_awq and nvfp4 need a GPU.")
+    kv_cache: KvCacheFormat = Field("none", description="KV-cache quantization.")
+    calibration: CalibrationSection = Field(default_factory=CalibrationSection)
+    quality: QualitySection = Field(default_factory=QualitySection)
+
+
 class BuildSection(Section):
     """Serving limits: the engine is built for them (trtllm-engine) and the CPU runtime
     allocates its KV cache from them."""
@@ -70,6 +106,33 @@ class BuildSection(Section):
     max_input_len: int = Field(1024, ge=1, description="Longest prompt, in tokens.")
     max_seq_len: int = Field(2048, ge=2, description="Prompt + generated tokens, per request.")
     max_num_tokens: int = Field(8192, ge=1, description="Tokens per engine step (trtllm).")
+    # trtllm-engine: trtllm-build's other options (TensorRT-LLM 1.2's defaults) and the GPU
+    # memory the pre-flight check of the limits assumes.
+    max_beam_width: int = Field(1, ge=1, description="Widest beam the engine is built for "
+                                                     "(deploy.trtllm.max_beam_width <= this).")
+    opt_num_tokens: int | None = Field(None, ge=1, description="Tokens per step the engine is "
+                                       "tuned for (unset: max_batch_size x max_beam_width); "
+                                       "not together with multiple_profiles.")
+    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "nvfp4",
+                         "disable"] | None = Field(
+        None, description="cuBLASLt GEMM plugin ('auto': the checkpoint's dtype; unset: "
+                          "TensorRT-LLM's default, off except for NVFP4).")
+    use_fused_mlp: bool = Field(True, description="Fuse the gated MLP's two GEMMs "
+                                                  "(TensorRT-LLM turns it off for quantized "
+                                                  "checkpoints other than FP8).")
+    use_paged_context_fmha: bool = Field(True, description="Paged context attention; needed "
+                                                           "by KV-cache reuse and chunked "
+                                                           "context.")
+    multiple_profiles: bool = Field(False, description="Several TensorRT optimisation "
+                                                       "profiles (longer build, faster "
+                                                       "engine); not with opt_num_tokens.")
+    logits_dtype: Literal["float32", "float16"] = Field("float32", description="dtype of "
+                                                        "the engine's logits.")
+    workers: int = Field(1, ge=1, description="Ranks trtllm-build builds in parallel (at most "
+                                              "one per GPU).")
+    gpu_memory_gb: float = Field(80, gt=0, description="Memory of one GPU in GiB (80 for an "
+                                                       "80 GB H100), for the pre-flight check "
+                                                       "of these limits.")
 
     @model_validator(mode="after")
     def _input_fits(self):
@@ -172,6 +235,7 @@ class MoepipeConfig(Section):
     target: Target = Field("cpu", description="cpu | trtllm-engine | trtllm-pytorch")
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     convert: ConvertSection = Field(default_factory=ConvertSection)
+    quantize: QuantizeSection = Field(default_factory=QuantizeSection)
     build: BuildSection = Field(default_factory=BuildSection)
     deploy: DeploySection = Field(default_factory=DeploySection)
     # `validate` would shadow pydantic's BaseModel.validate; the YAML key is still `validate`.
@@ -193,6 +257,29 @@ class MoepipeConfig(Section):
             self.workdir = (base / self.workdir).resolve()
         if self.deploy.output is not None and not self.deploy.output.is_absolute():
             self.deploy.output = (base / self.deploy.output).resolve()
+        cal = self.quantize.calibration
+        if cal.dataset is not None and not cal.dataset.is_absolute():
+            cal.dataset = (base / cal.dataset).resolve()
+        return self
+
+    @model_validator(mode="after")
+    def _target_supports_quantization(self):
+        q = self.quantize
+        if q.kv_cache != "none" and q.format == "none":
+            raise ValueError("quantize.kv_cache needs a weight format too (quantize.format: "
+                             "fp8, int8_sq or int4_awq); KV-cache-only quantization is not "
+                             "supported yet")
+        if q.format == "int8_sq" and self.target == "trtllm-engine":
+            raise ValueError("quantize.format int8_sq: TensorRT-LLM's engine path has no "
+                             "SmoothQuant MoE kernels (its SmoothQuant norms would feed int8 "
+                             "into the experts); use fp8 or int4_awq on GPUs (int8_sq is "
+                             "served by the cpu target)")
+        if q.kv_cache == "int8" and self.target == "trtllm-pytorch":
+            raise ValueError("quantize.kv_cache int8 is not served by TensorRT-LLM's PyTorch "
+                             "backend; use fp8 (or target trtllm-engine)")
+        if q.format in ("int8_sq", "w4a8_awq") and self.target == "trtllm-pytorch":
+            raise ValueError(f"quantize.format {q.format} is served by the trtllm-engine target "
+                             "only; the PyTorch backend takes fp8, int4_awq or nvfp4")
         return self
 
     @property
@@ -320,6 +407,26 @@ convert:
   # Ranks converted in parallel (each holds about one expert slice in memory).
   workers: 1
 
+# Post-training quantization with NVIDIA Model Optimizer (modelopt), calibrated on local text.
+# format: none | fp8 | int8_sq | int4_awq (CPU or GPU) | w4a8_awq | nvfp4 (GPU only).
+# kv_cache: none | fp8 | int8. Routers and shared-expert gates are never quantized.
+quantize:
+  format: {quant_format}
+  kv_cache: {kv_cache}
+  calibration:
+    # A local .txt or .jsonl file (`text_field` names the JSON key); default: moepipe's corpus.
+    dataset:
+    samples: 32
+    seq_len: 64
+    batch_size: 4
+    # Sequences kept back from calibration to measure quality on.
+    eval_samples: 8
+  # Gates on the quality stage's measurements (empty: recorded in the manifest, not enforced).
+  quality:
+    min_top1_agreement:
+    min_logit_cosine:
+    max_ppl_delta:
+
 # Serving limits: TensorRT engines are built for them; the cpu target sizes its KV cache by them.
 build:
   max_batch_size: 8
@@ -340,8 +447,10 @@ validate:
   # smoke: health, metadata, one request per protocol; accuracy: greedy tokens vs transformers.
   jobs: [smoke, accuracy]
   max_tokens: 16
-  # Fraction of greedy tokens that must equal Hugging Face's (1.0 for float32 weights).
-  min_token_agreement: 1.0
+  # Fraction of greedy tokens that must equal Hugging Face's unquantized model (1.0 for float32
+  # weights). A quantized model drifts; the quality stage gates it, and on the cpu target the
+  # accuracy job also checks the server answers exactly what the quantized checkpoint does.
+  min_token_agreement: {min_agreement}
 
 # Build outputs, server logs, pid file and validation reports.
 workdir: moepipe-work
@@ -349,7 +458,8 @@ workdir: moepipe-work
 
 
 def render_init(*, model_path: str | None, example: str | None, target: str, tp: int, pp: int,
-                moe_tp: int | None, moe_ep: int | None) -> str:
+                moe_tp: int | None, moe_ep: int | None, quantize: str = "none",
+                kv_cache: str = "none") -> str:
     """A commented moepipe.yaml; validated before it is returned."""
     from moepipe.versions import TRTLLM_ENGINE_VERSION
 
@@ -362,6 +472,8 @@ def render_init(*, model_path: str | None, example: str | None, target: str, tp:
                       f"  example: {example}")
     text = INIT_TEMPLATE.format(
         model_line=model_line, target=target, tp=tp, pp=pp, trtllm=TRTLLM_ENGINE_VERSION,
+        quant_format=quantize, kv_cache=kv_cache,
+        min_agreement="1.0" if quantize == "none" else "0.0",
         moe_tp="" if moe_tp is None else moe_tp, moe_ep="" if moe_ep is None else moe_ep)
     parse_config(yaml.safe_load(text), "moepipe.yaml", text)
     return text

@@ -227,6 +227,7 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            _kill_group(proc.pid)  # backend stubs it started may outlive it
             (state_dir / STATE_FILE).unlink(missing_ok=True)
             reason = failure_reason(log) or f"exit code {proc.returncode}"
             raise ServerError(f"tritonserver exited during start: {reason}",
@@ -254,12 +255,23 @@ def _terminate(pid: int, grace: float) -> bool:
             graceful = True
             break
         time.sleep(0.1)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # pgid == pid: the server leads its own session
-    except (ProcessLookupError, PermissionError):
-        pass
+    _kill_group(pid)
     _reap(pid)
     return graceful
+
+
+def _kill_group(pgid: int, wait: float = 10.0) -> None:
+    """SIGKILL what is left of the server's process group (pgid == the server's pid: it leads
+    its own session) and wait until it is gone."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _reap(pid: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,25 +12,24 @@ from moepipe.errors import MoepipeError
 
 
 def state_dir(cfg: MoepipeConfig) -> Path:
-    return cfg.workdir / "triton"
+    # Not "triton": a folder of that name in the working directory would shadow OpenAI Triton
+    # for `python -m moepipe` run there.
+    return cfg.workdir / "server"
 
 
 def artifacts(cfg: MoepipeConfig) -> Artifacts:
-    """What `moepipe build` left in the workdir for this config."""
-    from moepipe.build import checkpoint_dir, engine_dir, model_dir
-    from moepipe.hf import open_hf_checkpoint
+    """What the last `moepipe build` of this workdir produced."""
+    from moepipe.build import model_dir, outputs
+    from moepipe.hf import read_json
 
-    model = model_dir(cfg, create=False)
-    ckpt = checkpoint_dir(cfg)
-    have_ckpt = (ckpt / "config.json").is_file()
-    if cfg.target == "cpu" and not have_ckpt:
-        raise MoepipeError(f"{ckpt}: no converted checkpoint", "run `moepipe build` first")
-    engine = engine_dir(cfg)
-    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"] if have_ckpt \
-        else open_hf_checkpoint(model).spec.vocab_size
-    return Artifacts(model_dir=model, checkpoint_dir=ckpt if have_ckpt else None,
-                     engine_dir=engine if (engine / "config.json").is_file() else None,
-                     hf_serving_dir=model, vocab_size=int(vocab))
+    # GPU targets render without an engine (it is built on the GPU machine).
+    built = outputs(cfg, optional=() if cfg.target == "cpu" else ("engine",))
+    model = model_dir(cfg)
+    ckpt = built.get("convert")
+    serving = built.get("quantize") or model
+    vocab = read_json((ckpt or serving) / "config.json", "the checkpoint")["vocab_size"]
+    return Artifacts(model_dir=model, checkpoint_dir=ckpt, engine_dir=built.get("engine"),
+                     hf_serving_dir=serving, vocab_size=int(vocab))
 
 
 def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:

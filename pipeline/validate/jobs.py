@@ -132,7 +132,28 @@ def accuracy(ep: Endpoint, cfg: MoepipeConfig, model_dir: Path | None) -> JobRes
         job.run(f"greedy_tokens_{i}", lambda p=prompt: _compare(ep, cfg, tok, hf, eos, p))
     if v.min_token_agreement >= 1.0:
         job.run("ensemble_text", lambda: _text(ep, cfg, tok, hf, eos, v.prompts[0]))
+    if cfg.target == "cpu" and cfg.quantize.format != "none":
+        job.run("deployed_checkpoint", lambda: _deployed(ep, cfg, tok, eos, v.prompts))
     return job
+
+
+def _deployed(ep, cfg, tok, eos, prompts) -> dict:
+    """A quantized model is not expected to equal transformers token for token; what is
+    served must still equal what was measured: greedy tokens of the reference runtime on the
+    deployed (quantized, converted) checkpoint, exactly."""
+    from moepipe.build import outputs
+    from moepipe.runtime.checkpoint import load_checkpoint
+    from moepipe.runtime.generate import generate
+    from moepipe.runtime.model import ReferenceModel
+
+    ckpt = outputs(cfg)["convert"]
+    model = ReferenceModel(load_checkpoint(ckpt))
+    for prompt in prompts:
+        ids = tok(prompt, add_special_tokens=cfg.deploy.add_special_tokens).input_ids
+        want = generate(model, [ids], cfg.validation.max_tokens, end_id=eos)[0]
+        got = _server_tokens(ep, cfg, ids, eos)
+        assert got == want, f"server {got} != reference runtime on {ckpt} {want}"
+    return {"checkpoint": str(ckpt), "prompts": len(prompts)}
 
 
 def _hf_generate(cfg, tok, hf, eos, prompt) -> tuple[list[int], list[int]]:
@@ -148,6 +169,18 @@ def _hf_generate(cfg, tok, hf, eos, prompt) -> tuple[list[int], list[int]]:
 
 def _compare(ep, cfg, tok, hf, eos, prompt) -> dict:
     ids, want = _hf_generate(cfg, tok, hf, eos, prompt)
+    got = _server_tokens(ep, cfg, ids, eos)
+    same = sum(a == b for a, b in zip(want, got, strict=False))
+    agreement = same / max(len(want), len(got), 1)
+    details = {"prompt": prompt, "hf_tokens": want, "server_tokens": got,
+               "agreement": round(agreement, 4)}
+    assert agreement >= cfg.validation.min_token_agreement, (
+        f"token agreement {agreement:.3f} < {cfg.validation.min_token_agreement} "
+        f"(hf {want} vs server {got})")
+    return details
+
+
+def _server_tokens(ep, cfg, ids, eos) -> list[int]:
     inputs = {"input_ids": np.array([ids], np.int32),
               "input_lengths": np.array([[len(ids)]], np.int32),
               "request_output_len": np.array([[cfg.validation.max_tokens]], np.int32),
@@ -157,15 +190,7 @@ def _compare(ep, cfg, tok, hf, eos, prompt) -> dict:
     res = client.grpc_infer(ep.grpc, "tensorrt_llm", inputs, ["output_ids", "sequence_length"],
                             ep.timeout)
     out = res.outputs[-1]
-    got = out["output_ids"].reshape(-1)[: int(out["sequence_length"].reshape(-1)[0])].tolist()
-    same = sum(a == b for a, b in zip(want, got, strict=False))
-    agreement = same / max(len(want), len(got), 1)
-    details = {"prompt": prompt, "hf_tokens": want, "server_tokens": got,
-               "agreement": round(agreement, 4)}
-    assert agreement >= cfg.validation.min_token_agreement, (
-        f"token agreement {agreement:.3f} < {cfg.validation.min_token_agreement} "
-        f"(hf {want} vs server {got})")
-    return details
+    return out["output_ids"].reshape(-1)[: int(out["sequence_length"].reshape(-1)[0])].tolist()
 
 
 def _text(ep, cfg, tok, hf, eos, prompt) -> dict:

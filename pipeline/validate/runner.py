@@ -32,7 +32,7 @@ def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | Non
 
     ep = endpoint_for(cfg, url, grpc_url)
     try:
-        source = model_dir(cfg, create=False)
+        source = model_dir(cfg)
     except MoepipeError:
         source = None
     report = Report(target=cfg.target, endpoint={"http": ep.http, "grpc": ep.grpc})

@@ -28,7 +28,7 @@ def reference(deployment):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg, _ = deployment
-    src = model_dir(cfg, create=False)
+    src = model_dir(cfg)
     tok = AutoTokenizer.from_pretrained(src)
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     out = {}

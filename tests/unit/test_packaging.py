@@ -16,7 +16,7 @@ def test_every_subpackage_is_listed():
     found = {"moepipe" + ("." + ".".join(p.parent.relative_to(ROOT / "pipeline").parts)
                           if p.parent != ROOT / "pipeline" else "")
              for p in (ROOT / "pipeline").rglob("__init__.py")}
-    assert found | {"moepipe.model_repo"} == listed
+    assert found | {"moepipe.model_repo", "moepipe.docker"} == listed
 
 
 def test_installed_package_has_templates_and_data():
