@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -103,18 +104,20 @@ class Stage:
 
 
 def _tool_versions(names: tuple[str, ...]) -> dict[str, str]:
+    return {name: _tool_version(name) for name in names}
+
+
+@functools.cache
+def _tool_version(name: str) -> str:
+    """Installed version of a distribution (cached: reading package metadata is slow)."""
     from moepipe.versions import TRTLLM_ENGINE_VERSION
 
-    out = {}
-    for name in names:
-        if name == "tensorrt-llm":  # not installable here: the declared version is the input
-            out[name] = TRTLLM_ENGINE_VERSION
-            continue
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "absent"
-    return out
+    if name == "tensorrt-llm":  # not installable here: the declared version is the input
+        return TRTLLM_ENGINE_VERSION
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
 
 
 def fingerprint(stage: Stage, cfg: MoepipeConfig, upstream: dict[str, str],

@@ -43,8 +43,8 @@ def _echo(text: str = "") -> None:
 
 
 @app.command()
-def example(name: str = typer.Argument(..., help="tiny-mixtral | tiny-qwen2-moe | "
-                                                 "tiny-qwen3-moe"),
+def example(name: str = typer.Argument(..., help="tiny-mixtral | tiny-mixtral-256 | "
+                                                 "tiny-qwen2-moe | tiny-qwen3-moe"),
             out: Path = typer.Option(..., "--out", help="Folder to create."),
             overwrite: bool = typer.Option(False, "--overwrite")) -> None:
     """Write a seeded tiny random-weight checkpoint (HF format, with a real tokenizer)."""
