@@ -33,6 +33,16 @@ def test_configs_folder_is_not_empty():
     ("model: {example: tiny-mixtral}\nworkers: 2\n", "workers: unknown key"),
     ("model: [1, 2\n", "not valid YAML"),
     ("- just\n- a list\n", "expected a mapping"),
+    ("model: {example: tiny-mixtral}\nquantize: {format: int3}\n",
+     "quantize.format: 'int3' is not valid; choose 'none', 'fp8', 'int8_sq', 'int4_awq'"),
+    ("model: {example: tiny-mixtral}\nquantize: {kv_cache: fp8}\n",
+     "quantize.kv_cache needs a weight format too"),
+    ("model: {example: tiny-mixtral}\ntarget: trtllm-engine\nquantize: {format: int8_sq}\n",
+     "no SmoothQuant MoE kernels"),
+    ("model: {example: tiny-mixtral}\ntarget: trtllm-pytorch\n"
+     "quantize: {format: fp8, kv_cache: int8}\n", "kv_cache int8 is not served"),
+    ("model: {example: tiny-mixtral}\nquantize: {quality: {min_logit_cosine: 2}}\n",
+     "quantize.quality.min_logit_cosine"),
 ])
 def test_config_errors(tmp_path, text, needle):
     path = tmp_path / "moepipe.yaml"
@@ -55,3 +65,11 @@ def test_init_template_round_trips():
     text = render_init(model_path="/models/x", example=None, target="trtllm-engine", tp=4, pp=1,
                        moe_tp=None, moe_ep=4)
     assert "path: /models/x" in text and "moe_ep: 4" in text
+
+
+def test_init_with_quantization_writes_the_quantize_section():
+    text = render_init(model_path=None, example="tiny-mixtral", target="cpu", tp=2, pp=1,
+                       moe_tp=None, moe_ep=2, quantize="int4_awq", kv_cache="fp8")
+    assert "  format: int4_awq\n  kv_cache: fp8\n" in text
+    # A quantized model is not expected to equal the unquantized one token for token.
+    assert "min_token_agreement: 0.0" in text
