@@ -222,10 +222,9 @@ def _preflight_engine(ctx: BuildContext) -> None:
 
 
 def _run_engine(ctx: BuildContext, out: Path) -> dict[str, Any]:
-    from moepipe.stages.engine import build_engine_into, check_engine_limits
+    from moepipe.stages.engine import build_engine_into
 
-    check_engine_limits(ctx.cfg, *_engine_inputs(ctx))
-    log = ctx.cfg.workdir / "logs" / f"{out.name.lstrip('.')}.trtllm-build.log"
+    log = ctx.cfg.workdir / "logs" / "engine.trtllm-build.log"
     result = build_engine_into(ctx.cfg, ctx.output("convert"), out, log, ctx.echo)
     return {"trtllm_version": result["trtllm_version"], "log": str(log),
             "command": trtllm_build_command_for(ctx)}
