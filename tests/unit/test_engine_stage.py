@@ -440,3 +440,54 @@ def test_deploy_accepts_an_engine_of_the_pinned_version(examples, tmp_path):
     cfg, repo = render_with_engine(examples, engine, tmp_path)
     params = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
     assert f'string_value: "{engine.resolve()}"' in params
+
+
+# --- the engine stage inside `moepipe build`, and deploy reading it ---------------------------
+
+
+def test_build_runs_the_engine_stage_and_deploy_renders_it(tmp_path, container):
+    import yaml
+
+    from moepipe.build import run_build
+    from moepipe.config import load_config
+    from moepipe.stages.deploy import run_deploy
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "moepipe.yaml").write_text(yaml.safe_dump({
+        "model": {"example": "tiny-mixtral"}, "target": "trtllm-engine",
+        "parallel": {"tp": 2, "moe_ep": 2}, "build": {"max_batch_size": 4},
+        "workdir": "work"}))
+    path = project / "moepipe.yaml"
+    manifest = run_build(path, echo=lambda s: None)
+    engine = next(s for s in manifest["stages"] if s["stage"] == "engine")
+    assert engine["status"] == "built"
+    assert engine["details"]["trtllm_version"] == TRTLLM_ENGINE_VERSION
+    assert engine["details"]["command"][:3] == ["trtllm-build", "--checkpoint_dir",
+                                                str((project / "work" / "checkpoint").resolve())]
+    built = project / "work" / "engine"
+    assert sorted(p.name for p in built.iterdir() if p.suffix == ".engine") == [
+        "rank0.engine", "rank1.engine"]
+    argv = json.loads((built / "config.json").read_text())["build_config"]["argv"]
+    assert argv[argv.index("--max_batch_size") + 1] == "4"
+    # Nothing changed: nothing rebuilt. A changed limit rebuilds the engine only.
+    again = run_build(path, echo=lambda s: None)
+    assert {s["status"] for s in again["stages"]} == {"reused"}
+    text = path.read_text().replace("max_batch_size: 4", "max_batch_size: 8")
+    path.write_text(text)
+    changed = run_build(path, echo=lambda s: None)
+    assert {s["stage"]: s["status"] for s in changed["stages"]} == {
+        "source": "reused", "inspect": "reused", "convert": "reused", "engine": "built"}
+    # deploy renders the repository around the engine (no server: GPU target) ...
+    cfg = load_config(path)
+    result = run_deploy(cfg, echo=lambda s: None)
+    rendered = (Path(result["repository"]) / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert str(built.resolve()) in rendered
+    # ... and refuses an engine of another TensorRT-LLM version, naming both.
+    engine_cfg = built / "config.json"
+    data = json.loads(engine_cfg.read_text())
+    data["version"] = "1.1.0"
+    engine_cfg.write_text(json.dumps(data))
+    with pytest.raises(MoepipeError) as e:
+        run_deploy(cfg, echo=lambda s: None)
+    assert "1.1.0" in str(e.value) and TRTLLM_ENGINE_VERSION in str(e.value)
