@@ -14,7 +14,7 @@ set -x
 moepipe init --example tiny-mixtral --tp 2 --moe-ep 2
 sed -i "s/^  http_port: 8000/  http_port: $HTTP/; s/^  grpc_port: 8001/  grpc_port: $((HTTP + 1))/; s/^  metrics_port: 8002/  metrics_port: $((HTTP + 2))/" moepipe.yaml
 moepipe build
-moepipe parity --hf moepipe-work/models/tiny-mixtral --checkpoint moepipe-work/checkpoint
+moepipe parity --hf moepipe-work/model --checkpoint moepipe-work/checkpoint
 moepipe deploy
 trap 'moepipe stop' EXIT
 curl -s -X POST "http://127.0.0.1:$HTTP/v2/models/ensemble/generate" \
