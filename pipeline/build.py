@@ -284,7 +284,6 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
             with atomic_dir(entry.output, overwrite=True) as tmp, \
                     live_status(progress, name) as ctx.status:
                 details = entry.stage.run(ctx, tmp) or {}
-                details.pop("seconds", None)  # timings go to the manifest: same input, same bytes
                 _fault_point(name)
                 (tmp / STAGE_FILE).write_text(json.dumps(
                     {"stage": name, "fingerprint": entry.fingerprint, "details": details},

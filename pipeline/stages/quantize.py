@@ -20,7 +20,6 @@ import contextlib
 import copy
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +177,6 @@ def _run_quantize(cfg: MoepipeConfig, source: Path, out: Path, echo, step) -> di
     from moepipe.quant.unfuse import unfuse_experts
 
     hf_logging.disable_progress_bar()
-    started = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     trust = cfg.model.trust_remote_code
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
@@ -214,8 +212,7 @@ def _run_quantize(cfg: MoepipeConfig, source: Path, out: Path, echo, step) -> di
                                            "sequences": heldout}) + "\n")
     return {"format": q.format, "kv_cache": q.kv_cache, "quant_algo": FORMATS[q.format][1],
             "calibration_sequences": len(calib), "calibration_tokens": len(calib) * len(calib[0]),
-            "unfused_moe_layers": unfused, "quantized_modules": quantized, "device": device,
-            "seconds": round(time.perf_counter() - started, 3)}
+            "unfused_moe_layers": unfused, "quantized_modules": quantized, "device": device}
 
 
 def _inspect_quantizers(model) -> tuple[int, list[str]]:

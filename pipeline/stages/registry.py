@@ -12,7 +12,7 @@ from typing import Any
 
 from moepipe.build import BuildContext, Stage
 from moepipe.config import MoepipeConfig
-from moepipe.errors import MoepipeError
+from moepipe.errors import ConfigError, MoepipeError
 from moepipe.mapping import Mapping
 
 
@@ -72,7 +72,7 @@ def _run_convert(ctx: BuildContext, out: Path) -> dict[str, Any]:
                        dtype=ctx.cfg.model.dtype, workers=ctx.cfg.convert.workers,
                        progress=ctx.step)
     return {"world_size": res.plan.mapping.world_size, "dtype": res.plan.dtype,
-            "bytes": res.bytes_written, "seconds": round(res.seconds, 3)}
+            "bytes": res.bytes_written}
 
 
 def _convert_memory(ctx: BuildContext) -> int:
@@ -128,6 +128,10 @@ def _preflight_quantize(ctx: BuildContext) -> None:
     from moepipe.stages.quantize import check_dimensions, check_environment
 
     check_environment(ctx.cfg.quantize.format)
+    dataset = ctx.cfg.quantize.calibration.dataset
+    if dataset is not None and not dataset.is_file():
+        raise ConfigError(f"quantize.calibration.dataset: {dataset} does not exist",
+                          "give a local .txt or .jsonl file (nothing is downloaded)")
     spec = _source_spec(ctx)
     if spec is not None:
         check_dimensions(ctx.cfg.quantize.format, spec)
