@@ -160,10 +160,27 @@ def _metrics(ep_metrics):
     return counts, text
 
 
+def _settled_metrics(ep_metrics, timeout=10.0):
+    """Counters once the model has published everything: the model publishes per expert, so a
+    scrape can land mid-publication (earlier tests' requests included). Settled means every
+    layer has the same total (each token goes to top-k experts of every layer) and two scrapes
+    a publication period apart agree."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        counts, _ = _metrics(ep_metrics)
+        if counts == last and len(set(counts.values())) <= 1:
+            return counts
+        if time.monotonic() > deadline:
+            raise AssertionError(f"expert-load counters never settled: {counts}")
+        last = counts
+        time.sleep(0.6)  # > METRICS_PERIOD_S of the model
+
+
 def test_expert_load_metrics(deployment, reference):
     cfg, ep = deployment
     metrics = f"{cfg.deploy.host}:{cfg.deploy.metrics_port}"
-    before, _ = _metrics(metrics)
+    before = _settled_metrics(metrics)
     ids, want, _ = reference[PROMPTS[0]]
     client.grpc_infer(ep.grpc, "tensorrt_llm", _llm_inputs(ids), ["output_ids"])
     # every token the model processed (prompt + all generated but the last) went to top-2
