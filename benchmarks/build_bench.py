@@ -39,7 +39,7 @@ def cli_build(folder: Path, env: dict) -> float:
 
 
 def in_process_build(folder: Path) -> float:
-    from moepipe.build import run_build
+    from moepipe.commands.build import run_build
 
     t0 = time.perf_counter()
     manifest = run_build(folder / "moepipe.yaml", echo=lambda s: None, progress=False)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moepipe.st_io import BF16, F32, SafetensorsWriter, convert_bytes
+from moepipe.checkpoints.st_io import BF16, F32, SafetensorsWriter, convert_bytes
 
 HIDDEN, INTER, EXPERTS, HEADS, KV_HEADS, VOCAB = 2048, 4096, 8, 16, 4, 32000
 

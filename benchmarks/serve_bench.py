@@ -33,7 +33,7 @@ def prompts_from_corpus(n: int) -> list[str]:
 
 
 def bench_server(grpc_url: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
-    from moepipe import client
+    from moepipe.deploy import client
 
     latencies, tokens = [], []
     lock = threading.Lock()
@@ -112,10 +112,10 @@ def main() -> None:
     import yaml
 
     torch.set_num_threads(args.threads)
-    from moepipe.build import model_dir, run_build
+    from moepipe.commands.build import model_dir, run_build
+    from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.config import load_config
     from moepipe.deploy import server
-    from moepipe.stages.deploy import run_deploy, state_dir
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "integration"))
     from helpers import free_ports

@@ -8,10 +8,10 @@ from helpers import make_config
 def deployment(tmp_path_factory):
     """(config, endpoint) of a built and deployed tiny-mixtral (tp=2, moe_ep=2) on the cpu
     target. The server is stopped by PID when the test run ends."""
-    from moepipe.build import run_build
+    from moepipe.commands.build import run_build
+    from moepipe.commands.deploy import run_deploy, state_dir
+    from moepipe.commands.validate import endpoint_for
     from moepipe.deploy import server
-    from moepipe.stages.deploy import run_deploy, state_dir
-    from moepipe.validate.runner import endpoint_for
 
     workdir = tmp_path_factory.mktemp("deployment")
     cfg = make_config(workdir)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from helpers import make_config
 
-from moepipe.build import run_build
+from moepipe.commands.build import run_build
+from moepipe.commands.deploy import run_deploy, state_dir
 from moepipe.errors import MoepipeError
-from moepipe.stages.deploy import run_deploy, state_dir
 
 
 def _cli(*args, cwd):

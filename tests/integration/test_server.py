@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from moepipe import client
-from moepipe.build import model_dir
-from moepipe.client import ClientError
+from moepipe.commands.build import model_dir
+from moepipe.deploy import client
+from moepipe.deploy.client import ClientError
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.",
            "Call me Ishmael.",
@@ -231,8 +231,8 @@ def test_validate_command_passes_with_reports(deployment):
 
 
 def test_status_and_second_deploy_refused(deployment):
+    from moepipe.commands.deploy import run_deploy
     from moepipe.errors import MoepipeError
-    from moepipe.stages.deploy import run_deploy
 
     cfg, _ = deployment
     proc = subprocess.run([sys.executable, "-m", "moepipe", "status", "--json", "-c",

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from moepipe.build import read_manifest, run_build
+from moepipe.commands.build import read_manifest, run_build
 from moepipe.config import load_config
 from moepipe.errors import MoepipeError
 
@@ -178,7 +178,7 @@ def test_build_lock_refuses_a_second_build(tmp_path):
 
 
 def test_deploy_refuses_outputs_of_another_config(tmp_path):
-    from moepipe.build import outputs
+    from moepipe.commands.build import outputs
 
     path = write_config(tmp_path)
     build(path)

@@ -6,10 +6,10 @@ import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from moepipe.arch import get_family
-from moepipe.hf import open_hf_checkpoint
-from moepipe.mapping import Mapping
-from moepipe.st_io import CheckpointReader
+from moepipe.checkpoints.hf import open_hf_checkpoint
+from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.stages.convert import plan_conversion, unmapped_tensors
+from moepipe.trtllm.mapping import Mapping
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
 

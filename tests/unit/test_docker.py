@@ -1,5 +1,5 @@
 """docker/: versions.env is the one declaration of the TensorRT-LLM version and its NGC image;
-the Dockerfile repeats it as ARG defaults, moepipe.versions reads it from the installed package,
+the Dockerfile repeats it as ARG defaults, moepipe.trtllm.versions reads it from the installed package,
 a wheel built from the Dockerfile's build context carries it, and the Dockerfile lints clean.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moepipe import versions
-from moepipe.versions import parse_versions_env
+from moepipe.trtllm import versions
+from moepipe.trtllm.versions import parse_versions_env
 
 ROOT = Path(__file__).parents[2]
 DOCKER = ROOT / "docker"

@@ -20,7 +20,6 @@ from moepipe.arch import get_family
 from moepipe.config import parse_config
 from moepipe.deploy.repository import Artifacts, render_deployment
 from moepipe.errors import CheckpointError, ConfigError, EnvironmentMissing, MoepipeError
-from moepipe.mapping import Mapping
 from moepipe.stages.convert import convert
 from moepipe.stages.engine import (
     build_engine,
@@ -31,7 +30,8 @@ from moepipe.stages.engine import (
     rank_params,
     trtllm_build_command,
 )
-from moepipe.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
+from moepipe.trtllm.mapping import Mapping
+from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -448,9 +448,9 @@ def test_deploy_accepts_an_engine_of_the_pinned_version(examples, tmp_path):
 def test_build_runs_the_engine_stage_and_deploy_renders_it(tmp_path, container):
     import yaml
 
-    from moepipe.build import run_build
+    from moepipe.commands.build import run_build
+    from moepipe.commands.deploy import run_deploy
     from moepipe.config import load_config
-    from moepipe.stages.deploy import run_deploy
 
     project = tmp_path / "project"
     project.mkdir()

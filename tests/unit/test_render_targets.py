@@ -23,7 +23,7 @@ from moepipe.deploy.render import check_repository
 from moepipe.deploy.repository import Artifacts, render_deployment
 from moepipe.errors import ConfigError, MappingError
 from moepipe.stages.convert import convert
-from moepipe.versions import TRTLLM_ENGINE_VERSION
+from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
 
 TARGETS = ["cpu", "trtllm-engine", "trtllm-pytorch"]
 GOLDEN = Path(__file__).parents[1] / "golden"

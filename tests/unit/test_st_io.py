@@ -5,7 +5,7 @@ import itertools
 import torch
 from safetensors.torch import load_file, save_file
 
-from moepipe.st_io import BF16, F32, CheckpointReader, SafetensorsWriter
+from moepipe.checkpoints.st_io import BF16, F32, CheckpointReader, SafetensorsWriter
 
 
 def test_slices_read_only_what_they_need(tmp_path):
@@ -39,7 +39,7 @@ def test_writer_streams_chunks_into_a_standard_file(tmp_path):
 def test_dtype_conversion_matches_torch_bit_for_bit():
     import numpy as np
 
-    from moepipe.st_io import F16, convert_bytes
+    from moepipe.checkpoints.st_io import F16, convert_bytes
 
     x = torch.cat([torch.randn(20000) * 10, torch.tensor(
         [float("inf"), -float("inf"), 0.0, -0.0, 1.00390625, 1.01171875, 3.4e38, 1e-40, 7e4])])

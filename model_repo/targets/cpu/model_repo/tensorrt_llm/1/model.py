@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from moepipe.runtime.checkpoint import load_checkpoint
 from moepipe.runtime.model import ReferenceModel
 from moepipe.runtime.sampling import SamplingParams
-from moepipe.serving.engine import Engine
+from moepipe.serving.batcher import Batcher
 from moepipe.serving.request import GenerationRequest, RequestError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -81,7 +81,7 @@ class TritonPythonModel:
         self._last_counts = model.expert_tokens.clone()
         self._tokens = 0
         self._published = 0.0
-        self.engine = Engine(model, max_batch_size=int(cfg["max_batch_size"]),
+        self.engine = Batcher(model, max_batch_size=int(cfg["max_batch_size"]),
                              max_seq_len=int(params["max_seq_len"]),
                              max_input_len=int(params["max_input_len"]), on_step=self._on_step)
         self.outbox = _Outbox()

@@ -1,0 +1,69 @@
+"""Opening a Hugging Face checkpoint folder: config, family, normalised spec, tensors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moepipe.arch import get_family
+from moepipe.arch.family import Family
+from moepipe.arch.spec import ModelSpec
+from moepipe.checkpoints.st_io import CheckpointReader
+from moepipe.errors import CheckpointError, UnsupportedError
+from moepipe.quant.trtllm import QuantInfo
+
+
+@dataclass
+class HFCheckpoint:
+    path: Path
+    config: dict[str, Any]
+    family: Family
+    spec: ModelSpec
+    quant: QuantInfo | None = None  # a modelopt unified (quantized) checkpoint
+
+    def reader(self) -> CheckpointReader:
+        return CheckpointReader(self.path)
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found", f"{what} must contain it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})", "the file is corrupt") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def open_hf_checkpoint(path: str | Path) -> HFCheckpoint:
+    """Read and normalise ``path/config.json``; tensors are validated when first read."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory",
+                              "pass a Hugging Face checkpoint folder (config.json + *.safetensors)")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory",
+                              "pass the folder that holds config.json, not a file")
+    config = read_json(path / "config.json", "a Hugging Face checkpoint folder")
+    archs = config.get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise CheckpointError(f"{path / 'config.json'}: no 'architectures' entry",
+                              "moepipe selects the converter by architectures[0]")
+    family = get_family(archs[0])
+    quant = None
+    if "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method")
+        if method != "modelopt" or not (path / "hf_quant_config.json").is_file():
+            raise UnsupportedError(
+                f"{path}: is already quantized ({method}); moepipe converts unquantized "
+                "checkpoints and its own (modelopt) quantized ones",
+                "give moepipe the unquantized checkpoint and choose a format in the quantize "
+                "section")
+        quant = QuantInfo.parse(read_json(path / "hf_quant_config.json", "it"),
+                                str(path / "hf_quant_config.json"))
+    spec = family.spec(config, str(path / "config.json"))
+    return HFCheckpoint(path=path, config=config, family=family, spec=spec, quant=quant)

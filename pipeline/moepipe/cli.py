@@ -1,0 +1,284 @@
+"""The ``moepipe`` command line: a thin shell over the stages.
+
+Heavy imports (torch, transformers, tritonclient) happen inside the commands, so ``--help`` is
+instant and needs no GPU. User mistakes (:class:`MoepipeError`) print one line with a hint and
+exit non-zero; anything else is a bug and shows a traceback with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+from moepipe.errors import MoepipeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Mixture-of-Experts LLMs: Hugging Face checkpoint -> TensorRT-LLM -> "
+                       "validated Triton deployment.")
+_state = {"debug": False}
+log = logging.getLogger("moepipe")
+
+ConfigOpt = typer.Option(None, "-c", "--config", help="Pipeline config (default ./moepipe.yaml).")
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+          verbose: bool = typer.Option(False, "-v", "--verbose", help="Log progress."),
+          quiet: bool = typer.Option(False, "-q", "--quiet", help="Only errors.")) -> None:
+    _state["debug"] = debug
+    level = logging.DEBUG if debug else logging.INFO if verbose else \
+        logging.ERROR if quiet else logging.WARNING
+    logging.basicConfig(level=level, format="moepipe: %(message)s", stream=sys.stderr)
+    _state["quiet"] = quiet
+
+
+def _echo(text: str = "") -> None:
+    if not _state.get("quiet"):
+        typer.echo(text)
+
+
+@app.command()
+def example(name: str = typer.Argument(..., help="tiny-mixtral | tiny-mixtral-256 | "
+                                                 "tiny-qwen2-moe | tiny-qwen3-moe"),
+            out: Path = typer.Option(..., "--out", help="Folder to create."),
+            overwrite: bool = typer.Option(False, "--overwrite")) -> None:
+    """Write a seeded tiny random-weight checkpoint (HF format, with a real tokenizer)."""
+    from moepipe.examples import write_example
+
+    write_example(name, out, overwrite=overwrite)
+    _echo(f"wrote {name} to {out}")
+
+
+@app.command("inspect")
+def inspect_cmd(model: Path = typer.Argument(..., help="Hugging Face checkpoint folder."),
+                as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+                max_gpus: int = typer.Option(8, "--max-gpus",
+                                             help="Largest world size to list.")) -> None:
+    """Architecture, sizes, parameter counts and the legal parallel mappings of a checkpoint."""
+    from moepipe.stages.inspect import format_inspection, inspect_checkpoint
+
+    result = inspect_checkpoint(model, max_gpus)
+    typer.echo(json.dumps(result.data, indent=2) if as_json else format_inspection(result.data))
+
+
+@app.command()
+def convert(model: Path = typer.Option(..., "--model", help="Hugging Face checkpoint folder."),
+            output: Path = typer.Option(..., "--output", help="TensorRT-LLM checkpoint folder."),
+            dtype: str = typer.Option("auto", "--dtype",
+                                      help="auto | float32 | float16 | bfloat16"),
+            tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
+            moe_tp: int | None = typer.Option(None, "--moe-tp"),
+            moe_ep: int | None = typer.Option(None, "--moe-ep"),
+            workers: int = typer.Option(1, "--workers", help="Ranks converted in parallel."),
+            overwrite: bool = typer.Option(False, "--overwrite")) -> None:
+    """Convert a Hugging Face MoE checkpoint into a sharded TensorRT-LLM checkpoint."""
+    from moepipe.stages.convert import convert as run_convert
+
+    res = run_convert(model, output, dtype=dtype, tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep,
+                      workers=workers, overwrite=overwrite)
+    m = res.plan.mapping
+    _echo(f"wrote {output}: {m.world_size} rank(s) ({m.describe()}), {res.plan.dtype}, "
+          f"{res.bytes_written / 2**20:.1f} MiB in {res.seconds:.2f}s")
+
+
+@app.command()
+def parity(hf: Path = typer.Option(..., "--hf", help="Source Hugging Face checkpoint."),
+           checkpoint: Path = typer.Option(..., "--checkpoint",
+                                           help="Converted TensorRT-LLM checkpoint."),
+           prompt: list[str] | None = typer.Option(None, "--prompt",
+                                                      help="Prompt (repeatable)."),
+           max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
+           tolerance: float = typer.Option(1e-4, "--tolerance",
+                                           help="Max abs logit difference allowed."),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Compare a converted checkpoint with Hugging Face transformers: logits and greedy tokens."""
+    from moepipe.validate.parity import check_parity
+
+    report = check_parity(hf, checkpoint, prompt, max_new_tokens, tolerance)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        for p in report.prompts:
+            typer.echo(f"  {p.prompt[:48]!r:52} max|dlogit| {p.max_abs_diff:.2e}  greedy "
+                       f"{len(p.moepipe_tokens)} tokens "
+                       f"{'match' if p.tokens_match else 'DIFFER'}")
+        verdict = "PASS" if report.passed else "FAIL"
+        typer.echo(f"parity {verdict}: max |logit diff| {report.max_abs_diff:.2e} "
+                   f"(tolerance {tolerance:g}) vs transformers")
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def init(model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder."),
+         example_name: str | None = typer.Option(None, "--example",
+                                                    help="A built-in tiny example."),
+         target: str = typer.Option("cpu", "--target",
+                                    help="cpu | trtllm-engine | trtllm-pytorch"),
+         tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
+         moe_tp: int | None = typer.Option(None, "--moe-tp"),
+         moe_ep: int | None = typer.Option(None, "--moe-ep"),
+         quantize: str = typer.Option("none", "--quantize",
+                                      help="none | fp8 | int8_sq | int4_awq | w4a8_awq | nvfp4"),
+         kv_cache: str = typer.Option("none", "--kv-cache", help="none | fp8 | int8"),
+         force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+         config: Path = typer.Option(Path("moepipe.yaml"), "-c", "--config",
+                                     help="File to write.")) -> None:
+    """Write a commented moepipe.yaml in the current directory."""
+    from moepipe.config import render_init
+    from moepipe.utils.fs import write_text_atomic
+
+    if (model is None) == (example_name is None):
+        raise MoepipeError("give exactly one of --model DIR or --example NAME")
+    if config.exists() and not force:
+        raise MoepipeError(f"{config}: already exists", "pass --force to overwrite it")
+    if model is not None and not (model / "config.json").is_file():
+        raise MoepipeError(f"{model}: not a Hugging Face checkpoint folder (no config.json)")
+    path_text = None
+    if model is not None:
+        path_text = os.path.relpath(model.resolve(), config.resolve().parent)
+    text = render_init(model_path=path_text, example=example_name, target=target, tp=tp,
+                       pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, quantize=quantize,
+                       kv_cache=kv_cache)
+    write_text_atomic(config, text)
+    _echo(f"wrote {config}; next: moepipe build")
+
+
+@app.command()
+def build(config: Path | None = ConfigOpt,
+          dry_run: bool = typer.Option(False, "--dry-run",
+                                       help="Print the plan (stages to run or reuse, commands, "
+                                            "memory estimates); change nothing."),
+          force: list[str] | None = typer.Option(None, "--force",
+                                                 help="Rerun this stage (repeatable)."),
+          until: str | None = typer.Option(None, "--until",
+                                           help="Stop after this stage (e.g. convert: prepare "
+                                                "the checkpoint on a machine without a GPU).")
+          ) -> None:
+    """Run the stages the config's target needs: inspect -> quantize -> convert -> engine.
+    Unchanged stages are reused; interrupted builds resume."""
+    from moepipe.commands.build import run_build
+
+    run_build(config, echo=typer.echo if dry_run else _echo, force=tuple(force or ()),
+              dry_run=dry_run, until=until)
+
+
+@app.command()
+def deploy(config: Path | None = ConfigOpt) -> None:
+    """Render the Triton model repository; for the cpu target start a local Triton server."""
+    from moepipe.commands.deploy import run_deploy
+    from moepipe.config import load_config
+
+    run_deploy(load_config(config), echo=_echo)
+
+
+@app.command()
+def stop(config: Path | None = ConfigOpt) -> None:
+    """Stop the workdir's Triton server by PID (graceful, then forced)."""
+    from moepipe.commands.deploy import state_dir
+    from moepipe.config import load_config
+    from moepipe.deploy import server
+
+    cfg = load_config(config)
+    res = server.stop(state_dir(cfg), grace=cfg.deploy.exit_timeout_s + 10)
+    how = "" if res["graceful"] else " (forced)"
+    _echo(f"stopped tritonserver pid {res['pid']}{how}" if res["was_running"]
+          else f"tritonserver pid {res['pid']} was not running; cleared its record")
+
+
+@app.command()
+def status(config: Path | None = ConfigOpt,
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Is the workdir's Triton server running, and where."""
+    from moepipe.commands.deploy import state_dir
+    from moepipe.config import load_config
+    from moepipe.deploy import server
+
+    info = server.status(state_dir(load_config(config)))
+    if as_json:
+        typer.echo(json.dumps(info))
+    elif info["running"]:
+        typer.echo(f"running  pid {info['pid']}  http {info['http']}  grpc {info['grpc']}  "
+                   f"metrics {info['metrics']}")
+    else:
+        typer.echo("not running")
+
+
+@app.command()
+def serve(repository: Path = typer.Argument(..., help="A rendered model repository."),
+          host: str = typer.Option("127.0.0.1", "--host"),
+          http_port: int = typer.Option(8000, "--http-port"),
+          grpc_port: int = typer.Option(8001, "--grpc-port"),
+          metrics_port: int = typer.Option(8002, "--metrics-port"),
+          timeout: float = typer.Option(180.0, "--timeout", help="Seconds to wait for ready.")
+          ) -> None:
+    """Run a rendered repository in the foreground (Ctrl-C stops it cleanly)."""
+    from moepipe.deploy import server
+
+    if not (repository / "ensemble" / "config.pbtxt").is_file():
+        raise MoepipeError(f"{repository}: not a rendered model repository (no ensemble)",
+                           "pass <deploy>/model_repo as written by `moepipe deploy`")
+    state = server.start(repository.resolve(), repository.resolve().parent / ".serve",
+                         host=host, http_port=http_port, grpc_port=grpc_port,
+                         metrics_port=metrics_port, timeout=timeout)
+    _echo(f"serving {repository} (pid {state.pid}): http {state.http}, grpc {state.grpc}, "
+          f"metrics {state.metrics}; log {state.log}. Ctrl-C to stop.")
+    code = server.wait(state)
+    (repository.resolve().parent / ".serve" / server.STATE_FILE).unlink(missing_ok=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def validate(config: Path | None = ConfigOpt,
+             url: str | None = typer.Option(None, "--url", help="HTTP endpoint host:port."),
+             grpc_url: str | None = typer.Option(None, "--grpc-url",
+                                                 help="gRPC endpoint host:port."),
+             job: list[str] | None = typer.Option(None, "--job",
+                                                  help="Run only these jobs (repeatable).")
+             ) -> None:
+    """Run the validation jobs against the live endpoint; JSON + JUnit XML reports."""
+    from moepipe.commands.validate import run_validate
+    from moepipe.config import load_config
+    from moepipe.validate.jobs import JOBS
+
+    for name in job or []:
+        if name not in JOBS:
+            raise MoepipeError(f"unknown job '{name}'", f"choose from {', '.join(JOBS)}")
+    report, _ = run_validate(load_config(config), url, grpc_url, job, echo=_echo)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        # Without standalone mode click returns typer.Exit's code instead of exiting.
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except MoepipeError as e:
+        if _state["debug"]:
+            raise
+        typer.echo(f"error: {e.message}" + (f" (hint: {e.hint})" if e.hint else ""), err=True)
+        if e.details:
+            typer.echo(e.details, err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:  # click usage errors carry their own exit code
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            typer.echo("aborted", err=True)
+            sys.exit(1)
+        raise

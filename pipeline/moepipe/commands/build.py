@@ -1,0 +1,394 @@
+"""``moepipe build``: a cached, resumable pipeline of stages.
+
+Each stage has a fingerprint: its version, the config values that shape its output, the
+fingerprints of the stages it reads, and the versions of the tools it runs. Its output lives in
+``<workdir>/artifacts/<stage>-<fingerprint>`` and is written to a temporary sibling that is
+renamed into place only when complete. So a rerun with nothing changed finds every output and
+does no work; a changed section reruns the stages it reaches; a build killed at any point leaves
+no output that looks complete and the next build resumes from the last finished stage.
+``<workdir>/build-manifest.json`` records the config, every stage's fingerprint, outputs with
+sha256, tool versions and timings; ``<workdir>/{model,checkpoint,...}`` are links to the current
+outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from moepipe import __version__
+from moepipe.config import MoepipeConfig, load_config
+from moepipe.errors import MoepipeError
+from moepipe.utils.fs import atomic_dir, write_text_atomic
+
+MANIFEST = "build-manifest.json"
+STAGE_FILE = "moepipe-stage.json"
+# Links in the workdir to the current output of a stage.
+LINKS = {"source": "model", "quantize": "quantized", "convert": "checkpoint", "engine": "engine"}
+
+Echo = Callable[[str], None]
+log = logging.getLogger("moepipe.commands.build")
+
+
+@contextlib.contextmanager
+def live_status(enabled: bool, first: str) -> Iterator[Echo]:
+    """A rich spinner line on a terminal (``update(text)`` changes it); nothing otherwise."""
+    if not enabled:
+        yield lambda text: None
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(first) as status:
+        yield lambda text: status.update(f"{first}: {text}")
+
+
+@dataclass
+class BuildContext:
+    cfg: MoepipeConfig
+    echo: Echo
+    outputs: dict[str, Path] = field(default_factory=dict)
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    details: dict[str, dict] = field(default_factory=dict)
+    status: Echo = field(default=lambda text: None)  # the live progress line of the stage
+    stage: str = ""  # the stage running now
+
+    steps: int = 0
+
+    def step(self, text: str) -> None:
+        """Progress inside a stage (a shard, a layer, a batch): the live line on a terminal,
+        a log record (``-v``) otherwise."""
+        log.info("%s", text)
+        self.status(text)
+        self.steps += 1
+        _fault_point(f"{self.stage}@{self.steps}")
+
+    def output(self, stage: str) -> Path:
+        return self.outputs[stage]
+
+    @property
+    def model_dir(self) -> Path:
+        """The checkpoint the model stages read: quantized when the config asks for it."""
+        return self.outputs.get("quantize") or self.outputs["source"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    version: int
+    applies: Callable[[MoepipeConfig], bool]
+    settings: Callable[[MoepipeConfig], dict[str, Any]]  # config values its output depends on
+    inputs: tuple[str, ...]  # stages it reads (their fingerprints are part of its own)
+    tools: tuple[str, ...]  # distributions whose versions shape its output
+    run: Callable[[BuildContext, Path], dict[str, Any]]  # writes into the given folder
+    estimate: Callable[[BuildContext], dict[str, Any]] | None = None  # plan: memory, command
+    memory: Callable[[BuildContext], int] | None = None  # peak host bytes (pre-flight)
+    memory_hint: str = "use a machine with more memory"
+    # Checks of the machine and the config made before the build runs any stage (fail fast).
+    preflight: Callable[[BuildContext], None] | None = None
+    # Gates on a finished stage's details, applied whenever a build or deploy reads it.
+    check: Callable[[MoepipeConfig, dict[str, Any]], None] | None = None
+
+
+def _tool_versions(names: tuple[str, ...]) -> dict[str, str]:
+    return {name: _tool_version(name) for name in names}
+
+
+@functools.cache
+def _tool_version(name: str) -> str:
+    """Installed version of a distribution (cached: reading package metadata is slow)."""
+    from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
+
+    if name == "tensorrt-llm":  # not installable here: the declared version is the input
+        return TRTLLM_ENGINE_VERSION
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def fingerprint(stage: Stage, cfg: MoepipeConfig, upstream: dict[str, str],
+                extra: dict[str, Any] | None = None) -> str:
+    blob = {"stage": stage.name, "version": stage.version, "moepipe": __version__,
+            "settings": stage.settings(cfg),
+            "inputs": {n: upstream[n] for n in stage.inputs if n in upstream},
+            "tools": _tool_versions(stage.tools), **(extra or {})}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def source_digest(path: Path) -> dict[str, str]:
+    """sha256 of every file of a user's checkpoint folder (remembered by stat signature)."""
+    from moepipe.checkpoints.hashcache import file_sha256
+
+    if not path.is_dir():
+        raise MoepipeError(f"{path}: no such directory",
+                           "model.path must be a Hugging Face checkpoint folder")
+    return {p.name: file_sha256(p) for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def artifact_dir(cfg: MoepipeConfig, stage: str, fp: str) -> Path:
+    return cfg.workdir / "artifacts" / f"{stage}-{fp[:16]}"
+
+
+def _complete(path: Path, fp: str) -> bool:
+    try:
+        return json.loads((path / STAGE_FILE).read_text()).get("fingerprint") == fp
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass
+class PlanEntry:
+    stage: Stage
+    fingerprint: str
+    output: Path
+    cached: bool
+    forced: bool = False
+
+    @property
+    def action(self) -> str:
+        return "run" if self.forced or not self.cached else "reuse"
+
+
+def plan(cfg: MoepipeConfig, force: tuple[str, ...] = (),
+         until: str | None = None) -> list[PlanEntry]:
+    """Fingerprints and cache state of every stage the config needs, up to ``until``
+    (no side effects)."""
+    from moepipe.stages.registry import STAGES
+
+    names = [s.name for s in STAGES]
+    unknown = sorted((set(force) | ({until} if until else set())) - set(names))
+    if unknown:
+        raise MoepipeError(f"unknown stage(s) {', '.join(unknown)}",
+                           f"stages: {', '.join(names)}")
+    fps: dict[str, str] = {}
+    entries = []
+    for stage in STAGES:
+        if not stage.applies(cfg):
+            continue
+        extra = None
+        if stage.name == "source" and cfg.model.path is not None:
+            extra = {"files": source_digest(cfg.model.path)}
+        fp = fingerprint(stage, cfg, fps, extra)
+        fps[stage.name] = fp
+        if stage.name == "source" and cfg.model.path is not None:
+            out, cached = cfg.model.path, True  # the user's folder is used in place
+        else:
+            out = artifact_dir(cfg, stage.name, fp)
+            cached = _complete(out, fp)
+        entries.append(PlanEntry(stage, fp, out, cached, stage.name in force))
+        if stage.name == until:
+            break
+    return entries
+
+
+@contextlib.contextmanager
+def _lock(workdir: Path) -> Iterator[None]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / ".build.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MoepipeError(f"another `moepipe build` is running in {workdir}",
+                               "wait for it to finish") from None
+        yield
+
+
+def _clean_partials(cfg: MoepipeConfig) -> None:
+    """Remove what builds killed mid-stage left behind (never mistaken for outputs)."""
+    root = cfg.workdir / "artifacts"
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".") and ".partial-" in p.name:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _link(cfg: MoepipeConfig, stage: str, target: Path) -> None:
+    name = LINKS.get(stage)
+    if name is None:
+        return
+    link = cfg.workdir / name
+    tmp = cfg.workdir / f".{name}.link-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    if link.exists() and not link.is_symlink():
+        raise MoepipeError(f"{link} exists and is not a moepipe link", "move it away")
+    os.replace(tmp, link)
+
+
+def _output_digests(path: Path) -> dict[str, str]:
+    from moepipe.checkpoints.hashcache import file_sha256
+
+    return {str(p.relative_to(path)): file_sha256(p) for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != STAGE_FILE}
+
+
+def run_build(config: Path | None, echo: Echo = print, force: tuple[str, ...] = (),
+              dry_run: bool = False, until: str | None = None,
+              progress: bool | None = None) -> dict:
+    """Build what ``config`` needs. ``progress``: live progress lines (default: when stderr
+    is a terminal)."""
+    cfg = load_config(config)
+    if dry_run:
+        return print_plan(cfg, force, echo, until)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    with _lock(cfg.workdir):
+        _clean_partials(cfg)
+        return _build(cfg, echo, force, until, progress)
+
+
+def _stage_details(entry: PlanEntry) -> dict[str, Any]:
+    try:
+        return json.loads((entry.output / STAGE_FILE).read_text()).get("details", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
+           until: str | None, progress: bool = False) -> dict:
+    from moepipe.preflight import check_host_memory
+
+    ctx = BuildContext(cfg, echo)
+    entries = plan(cfg, force, until)
+    for entry in entries:  # where it will fail, fail before hours of work
+        ctx.outputs[entry.stage.name] = entry.output
+        if entry.action == "run" and entry.stage.preflight is not None:
+            entry.stage.preflight(ctx)
+    ctx.outputs.clear()
+    started = time.time()
+    records = []
+    for entry in entries:
+        name = entry.stage.name
+        t0 = time.perf_counter()
+        if entry.action == "reuse":
+            status = "reused"
+            ctx.details[name] = _stage_details(entry)
+        else:
+            ctx.stage, ctx.steps = name, 0
+            check_host_memory(ctx, entry.stage)
+            entry.output.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_dir(entry.output, overwrite=True) as tmp, \
+                    live_status(progress, name) as ctx.status:
+                details = entry.stage.run(ctx, tmp) or {}
+                _fault_point(name)
+                (tmp / STAGE_FILE).write_text(json.dumps(
+                    {"stage": name, "fingerprint": entry.fingerprint, "details": details},
+                    indent=2, sort_keys=True, default=str) + "\n")
+            ctx.details[name] = details
+            status = "built"
+        ctx.outputs[name] = entry.output
+        ctx.fingerprints[name] = entry.fingerprint
+        seconds = time.perf_counter() - t0
+        echo(f"{name:9} {status:6} {entry.fingerprint[:12]}  {entry.output}  ({seconds:.2f}s)")
+        records.append({"stage": name, "fingerprint": entry.fingerprint, "status": status,
+                        "output": str(entry.output), "seconds": round(seconds, 3),
+                        "tools": _tool_versions(entry.stage.tools),
+                        "details": ctx.details[name]})
+        _link(cfg, name, entry.output)
+        _write_manifest(cfg, records, started)
+        if entry.stage.check is not None:
+            entry.stage.check(cfg, ctx.details[name])
+    for rec in records:  # digests last: a build that only reuses stages hashes nothing new
+        rec["sha256"] = _output_digests(Path(rec["output"]))
+    return _write_manifest(cfg, records, started, finished=True)
+
+
+def _fault_point(point: str) -> None:
+    """Test hook for the kill tests: ``MOEPIPE_FAULT=<stage>`` kills the build (SIGKILL) when
+    that stage's output is complete but not yet renamed into place (the last moment a kill can
+    hit it); ``MOEPIPE_FAULT=<stage>@<n>`` at the stage's n-th progress step."""
+    if os.environ.get("MOEPIPE_FAULT") == point:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_manifest(cfg: MoepipeConfig, records: list[dict], started: float,
+                    finished: bool = False) -> dict:
+    manifest = {
+        "moepipe": __version__, "target": cfg.target,
+        "config": cfg.model_dump(mode="json", by_alias=True),
+        "stages": records, "started": started,
+        "finished": time.time() if finished else None,
+        "tools": _tool_versions(("torch", "transformers", "safetensors", "nvidia-modelopt",
+                                 "tensorrt-llm", "tritonclient")),
+    }
+    write_text_atomic(cfg.workdir / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
+    return manifest
+
+
+def print_plan(cfg: MoepipeConfig, force: tuple[str, ...], echo: Echo,
+               until: str | None = None) -> dict:
+    """``--dry-run``: stages to run or reuse, their commands and memory estimates."""
+    entries = plan(cfg, force, until)
+    ctx = BuildContext(cfg, echo)
+    out = {"target": cfg.target, "stages": []}
+    echo(f"build plan for target {cfg.target} (workdir {cfg.workdir}):")
+    for e in entries:
+        ctx.outputs[e.stage.name] = e.output
+        info = e.stage.estimate(ctx) if e.stage.estimate else {}
+        echo(f"  {e.stage.name:9} {e.action:6} {e.fingerprint[:12]}  {e.output}")
+        for key, value in info.items():
+            if isinstance(value, list):
+                value = " ".join(shlex.quote(str(v)) for v in value)
+            echo(f"      {key}: {value}")
+        out["stages"].append({"stage": e.stage.name, "action": e.action,
+                              "fingerprint": e.fingerprint, "output": str(e.output), **info})
+    return out
+
+
+# -- what other commands read ---------------------------------------------------------------
+def read_manifest(cfg: MoepipeConfig) -> dict:
+    path = cfg.workdir / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MoepipeError(f"{cfg.workdir}: nothing has been built here",
+                           "run `moepipe build` first") from None
+    except ValueError:
+        raise MoepipeError(f"{path}: corrupt build manifest", "run `moepipe build` again") \
+            from None
+
+
+def outputs(cfg: MoepipeConfig, optional: tuple[str, ...] = ()) -> dict[str, Path]:
+    """stage -> output folder, for every stage the config needs; each must be built for the
+    config as it is now (and pass its gates), except the ``optional`` ones."""
+    if not (cfg.workdir / MANIFEST).is_file():
+        raise MoepipeError(f"{cfg.workdir}: nothing has been built here",
+                           "run `moepipe build` first")
+    out = {}
+    for entry in plan(cfg):
+        if not entry.cached:
+            if entry.stage.name in optional:
+                continue
+            raise MoepipeError(f"the {entry.stage.name} stage is not built for the config as "
+                               "it is now", "run `moepipe build`")
+        if entry.stage.check is not None:
+            entry.stage.check(cfg, _stage_details(entry))
+        out[entry.stage.name] = entry.output
+    return out
+
+
+def model_dir(cfg: MoepipeConfig) -> Path:
+    """The source Hugging Face checkpoint of the config."""
+    if cfg.model.path is not None:
+        return cfg.model.path
+    entry = plan(cfg, until="source")[0]
+    if not entry.cached:
+        raise MoepipeError(f"the example {cfg.model.example} has not been built in "
+                           f"{cfg.workdir}", "run `moepipe build` first")
+    return entry.output

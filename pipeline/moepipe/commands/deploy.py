@@ -1,0 +1,79 @@
+"""Stage ``deploy``: render the target's deployment folder; for ``cpu`` start a local Triton."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from moepipe.config import MoepipeConfig
+from moepipe.deploy import server
+from moepipe.deploy.repository import Artifacts, render_deployment
+from moepipe.errors import MoepipeError
+
+
+def state_dir(cfg: MoepipeConfig) -> Path:
+    # Not "triton": a folder of that name in the working directory would shadow OpenAI Triton
+    # for `python -m moepipe` run there.
+    return cfg.workdir / "server"
+
+
+def artifacts(cfg: MoepipeConfig) -> Artifacts:
+    """What the last `moepipe build` of this workdir produced."""
+    from moepipe.checkpoints.hf import read_json
+    from moepipe.commands.build import model_dir, outputs
+
+    # GPU targets render without an engine (it is built on the GPU machine).
+    built = outputs(cfg, optional=() if cfg.target == "cpu" else ("engine",))
+    model = model_dir(cfg)
+    ckpt = built.get("convert")
+    serving = built.get("quantize") or model
+    vocab = read_json((ckpt or serving) / "config.json", "the checkpoint")["vocab_size"]
+    return Artifacts(model_dir=model, checkpoint_dir=ckpt, engine_dir=built.get("engine"),
+                     hf_serving_dir=serving, vocab_size=int(vocab))
+
+
+def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:
+    from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
+
+    out = repo.parent
+    lines = [f"deploy: the {cfg.target} target runs on NVIDIA GPUs inside "
+             f"{TRITON_TRTLLM_CONTAINER} (TensorRT-LLM is not installed here), so no server "
+             "was started."]
+    if cfg.target == "trtllm-engine":
+        if art.engine_dir is None:
+            lines.append(f"  the engine is not built yet: run `moepipe build` on the GPU "
+                         f"machine (it writes {cfg.workdir / 'engine'})")
+        lines.append(f"  then, in the container: bash {out / 'launch.sh'}  (one MPI rank per "
+                     "GPU; it checks the engine's world size, the GPUs and the TensorRT-LLM "
+                     "version before starting)")
+    else:
+        lines.append(f"  in the container: tritonserver --model-repository {repo} "
+                     f"--http-address {cfg.deploy.host} --http-port {cfg.deploy.http_port}")
+    lines.append("  then: moepipe validate --url HOST:PORT --grpc-url HOST:PORT")
+    return "\n".join(lines)
+
+
+def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
+    current = server.status(state_dir(cfg))
+    if current.get("running"):
+        raise MoepipeError(f"a server is already running for this workdir (pid "
+                           f"{current['pid']}, http {current['http']})",
+                           "run `moepipe stop` first")
+    art = artifacts(cfg)
+    repo = render_deployment(cfg, art)
+    echo(f"deploy: rendered {cfg.target} repository at {repo}")
+    if cfg.target != "cpu":
+        echo(_gpu_instructions(cfg, art, repo))
+        return {"repository": str(repo), "started": False}
+    d = cfg.deploy
+    state = server.start(repo, state_dir(cfg), host=d.host, http_port=d.http_port,
+                         grpc_port=d.grpc_port, metrics_port=d.metrics_port,
+                         timeout=d.ready_timeout_s, exit_timeout=d.exit_timeout_s,
+                         binary=d.tritonserver)
+    echo(f"deploy: tritonserver ready (pid {state.pid})\n"
+         f"  http     http://{state.http}  (POST /v2/models/ensemble/generate)\n"
+         f"  grpc     {state.grpc}\n"
+         f"  metrics  http://{state.metrics}/metrics\n"
+         f"  log      {state.log}\n"
+         "  stop with `moepipe stop`")
+    return state.to_status(True)

@@ -1,0 +1,49 @@
+"""``moepipe validate``: run the configured jobs against the endpoint and write the reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from moepipe.config import MoepipeConfig
+from moepipe.validate.jobs import JOBS, Endpoint
+from moepipe.validate.report import Report
+
+
+def endpoint_for(cfg: MoepipeConfig, url: str | None, grpc_url: str | None) -> Endpoint:
+    from moepipe.commands.deploy import state_dir
+    from moepipe.deploy import server
+
+    http = url or cfg.validation.url
+    grpc = grpc_url or cfg.validation.grpc_url
+    st = server.status(state_dir(cfg))
+    if http is None:
+        http = st["http"] if st.get("running") else f"{cfg.deploy.host}:{cfg.deploy.http_port}"
+    if grpc is None:
+        grpc = st["grpc"] if st.get("running") else f"{cfg.deploy.host}:{cfg.deploy.grpc_port}"
+    http = http.removeprefix("http://").removeprefix("https://").rstrip("/")
+    return Endpoint(http=http, grpc=grpc, timeout=cfg.validation.timeout_s)
+
+
+def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | None = None,
+                 jobs: list[str] | None = None,
+                 echo: Callable[[str], None] = print) -> tuple[Report, tuple]:
+    from moepipe.commands.build import model_dir
+    from moepipe.errors import MoepipeError
+
+    ep = endpoint_for(cfg, url, grpc_url)
+    try:
+        source = model_dir(cfg)
+    except MoepipeError:
+        source = None
+    report = Report(target=cfg.target, endpoint={"http": ep.http, "grpc": ep.grpc})
+    for name in jobs or cfg.validation.jobs:
+        job = JOBS[name](ep, cfg, source)
+        report.jobs.append(job)
+        for case in job.cases:
+            mark = {"passed": "ok  ", "skipped": "skip", "failed": "FAIL", "error": "ERR "}
+            echo(f"  {mark[case.status]} {name}.{case.name} ({case.seconds:.2f}s)"
+                 + (f": {case.message}" if case.message else ""))
+    paths = report.write(cfg.workdir / "reports")
+    echo(f"validate {'PASSED' if report.passed else 'FAILED'} against http {ep.http}, grpc "
+         f"{ep.grpc}; reports: {paths[0]}, {paths[1]}")
+    return report, paths

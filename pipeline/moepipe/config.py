@@ -1,0 +1,479 @@
+"""``moepipe.yaml``: one strict configuration model for every stage.
+
+Unknown keys are errors; every error names the YAML path (and line), the bad value and the valid
+choices. Relative paths are resolved against the folder of the YAML file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from moepipe.errors import ConfigError
+
+DEFAULT_CONFIG = "moepipe.yaml"
+DEFAULT_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "It was the best of times, it was the worst of times,",
+    "A Lion lay asleep in the forest, his great head resting on his paws.",
+]
+TARGETS = ("cpu", "trtllm-engine", "trtllm-pytorch")
+Target = Literal["cpu", "trtllm-engine", "trtllm-pytorch"]
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    path: Path | None = Field(None, description="Hugging Face checkpoint folder (safetensors).")
+    example: str | None = Field(None, description="A built-in tiny example instead of a path.")
+    dtype: Dtype = Field("auto", description="Weight dtype of the TensorRT-LLM checkpoint "
+                                             "('auto' keeps the checkpoint's).")
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the "
+                                                       "checkpoint (off by default).")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (self.example is None):
+            raise ValueError("set exactly one of 'path' or 'example'")
+        if self.example is not None:
+            from moepipe.examples import EXAMPLES
+
+            if self.example not in EXAMPLES:
+                raise ValueError(f"unknown example '{self.example}'; valid: "
+                                 f"{', '.join(sorted(EXAMPLES))}")
+        return self
+
+
+class ParallelSection(Section):
+    tp: int = Field(1, ge=1, description="Tensor-parallel size.")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel size.")
+    moe_tp: int | None = Field(None, ge=1, description="MoE tensor-parallel size (default: "
+                                                        "derived, moe_tp * moe_ep = tp).")
+    moe_ep: int | None = Field(None, ge=1, description="MoE expert-parallel size.")
+
+
+class ConvertSection(Section):
+    workers: int = Field(1, ge=1, description="Ranks converted in parallel.")
+
+
+QuantFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"]
+KvCacheFormat = Literal["none", "fp8", "int8"]
+GPU_ONLY_FORMATS = ("w4a8_awq", "nvfp4")
+
+
+class CalibrationSection(Section):
+    dataset: Path | None = Field(None, description="Text (.txt) or JSON-lines (.jsonl) file; "
+                                                   "default: the corpus shipped with moepipe.")
+    text_field: str = Field("text", description="The JSON-lines key holding the text.")
+    samples: int = Field(32, ge=1, description="Calibration sequences.")
+    seq_len: int = Field(64, ge=8, description="Tokens per calibration sequence.")
+    batch_size: int = Field(4, ge=1)
+    eval_samples: int = Field(8, ge=1, description="Held-out sequences (after the calibration "
+                                                   "ones) on which quality is measured.")
+
+
+class QualitySection(Section):
+    """Quantization quality gates (None: measured and recorded, not enforced)."""
+
+    min_top1_agreement: float | None = Field(None, ge=0, le=1, description="Fraction of "
+                                             "positions whose top-1 token matches the "
+                                             "unquantized model.")
+    min_logit_cosine: float | None = Field(None, ge=-1, le=1, description="Mean cosine "
+                                           "similarity of logits to the unquantized model's.")
+    max_ppl_delta: float | None = Field(None, ge=0, description="Largest allowed increase of "
+                                        "held-out perplexity over the unquantized model's.")
+
+
+class QuantizeSection(Section):
+    format: QuantFormat = Field("none", description="Weight/activation format (modelopt). "
+                                                    "w4a8_awq and nvfp4 need a GPU.")
+    kv_cache: KvCacheFormat = Field("none", description="KV-cache quantization.")
+    calibration: CalibrationSection = Field(default_factory=CalibrationSection)
+    quality: QualitySection = Field(default_factory=QualitySection)
+
+
+class BuildSection(Section):
+    """Serving limits: the engine is built for them (trtllm-engine) and the CPU runtime
+    allocates its KV cache from them."""
+
+    max_batch_size: int = Field(8, ge=1, le=4096, description="Requests batched together.")
+    max_input_len: int = Field(1024, ge=1, description="Longest prompt, in tokens.")
+    max_seq_len: int = Field(2048, ge=2, description="Prompt + generated tokens, per request.")
+    max_num_tokens: int = Field(8192, ge=1, description="Tokens per engine step (trtllm).")
+    # trtllm-engine: trtllm-build's other options (TensorRT-LLM 1.2's defaults) and the GPU
+    # memory the pre-flight check of the limits assumes.
+    max_beam_width: int = Field(1, ge=1, description="Widest beam the engine is built for "
+                                                     "(deploy.trtllm.max_beam_width <= this).")
+    opt_num_tokens: int | None = Field(None, ge=1, description="Tokens per step the engine is "
+                                       "tuned for (unset: max_batch_size x max_beam_width); "
+                                       "not together with multiple_profiles.")
+    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "nvfp4",
+                         "disable"] | None = Field(
+        None, description="cuBLASLt GEMM plugin ('auto': the checkpoint's dtype; unset: "
+                          "TensorRT-LLM's default, off except for NVFP4).")
+    use_fused_mlp: bool = Field(True, description="Fuse the gated MLP's two GEMMs "
+                                                  "(TensorRT-LLM turns it off for quantized "
+                                                  "checkpoints other than FP8).")
+    use_paged_context_fmha: bool = Field(True, description="Paged context attention; needed "
+                                                           "by KV-cache reuse and chunked "
+                                                           "context.")
+    multiple_profiles: bool = Field(False, description="Several TensorRT optimisation "
+                                                       "profiles (longer build, faster "
+                                                       "engine); not with opt_num_tokens.")
+    logits_dtype: Literal["float32", "float16"] = Field("float32", description="dtype of "
+                                                        "the engine's logits.")
+    workers: int = Field(1, ge=1, description="Ranks trtllm-build builds in parallel (at most "
+                                              "one per GPU).")
+    gpu_memory_gb: float = Field(80, gt=0, description="Memory of one GPU in GiB (80 for an "
+                                                       "80 GB H100), for the pre-flight check "
+                                                       "of these limits.")
+
+    @model_validator(mode="after")
+    def _input_fits(self):
+        if self.max_input_len >= self.max_seq_len:
+            raise ValueError(f"max_input_len ({self.max_input_len}) must be smaller than "
+                             f"max_seq_len ({self.max_seq_len})")
+        return self
+
+
+class TrtllmDeploySection(Section):
+    """Serving knobs of the GPU targets, with TensorRT-LLM 1.2's defaults. ``trtllm-engine``
+    renders them as ``tensorrt_llm`` parameters, ``trtllm-pytorch`` as LLM-API arguments;
+    a field that is None is left out (TensorRT-LLM then uses its own default)."""
+
+    batching_strategy: Literal["inflight_fused_batching", "V1"] = Field(
+        "inflight_fused_batching", description="trtllm-engine gpt_model_type: in-flight "
+                                               "batching, or V1 (static batches).")
+    batch_scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
+        "guaranteed_no_evict", description="guaranteed_no_evict never pauses a started "
+                                           "request; max_utilization packs more requests.")
+    max_beam_width: int = Field(1, ge=1, description="Widest beam a request may ask for (at "
+                                                     "most the engine's).")
+    kv_cache_free_gpu_mem_fraction: float = Field(
+        0.9, gt=0, le=1, description="Fraction of the GPU memory left after loading the "
+                                     "weights that the KV cache may take.")
+    max_tokens_in_paged_kv_cache: int | None = Field(
+        None, ge=1, description="Cap on KV-cache tokens (unset: sized by the fraction alone).")
+    max_attention_window_size: int | None = Field(
+        None, ge=1, description="Tokens attended per step (unset: max_seq_len).")
+    enable_kv_cache_reuse: bool = Field(True, description="Reuse KV blocks of shared prompt "
+                                                          "prefixes.")
+    enable_chunked_context: bool = Field(False, description="Split long prompts into chunks "
+                                                            "(chunked prefill).")
+    normalize_log_probs: bool = Field(True, description="trtllm-engine: normalise "
+                                                        "output_log_probs.")
+    decoding_mode: Literal["top_k", "top_p", "top_k_top_p", "beam_search"] | None = Field(
+        None, description="trtllm-engine (unset: top_k_top_p, or beam_search when "
+                          "max_beam_width > 1).")
+    cancellation_check_period_ms: int = Field(
+        100, ge=1, description="trtllm-engine: how often cancelled requests are looked for.")
+    stats_check_period_ms: int = Field(
+        100, ge=1, description="trtllm-engine: how often statistics are collected.")
+    iter_stats_max_iterations: int = Field(
+        1000, ge=0, description="trtllm-engine: iterations of statistics kept.")
+    request_stats_max_iterations: int = Field(
+        0, ge=0, description="trtllm-engine: iterations of per-request statistics kept.")
+    moe_backend: Literal["CUTLASS", "CUTEDSL", "WIDEEP", "TRTLLM", "DEEPGEMM", "VANILLA",
+                         "TRITON"] = Field(
+        "CUTLASS", description="trtllm-pytorch: moe_config.backend (CUTLASS: TensorRT-LLM "
+                               "1.0's default).")
+
+
+class DeploySection(Section):
+    output: Path | None = Field(None, description="Deployment folder (default <workdir>/deploy):"
+                                                  " model_repo/, tokenizer/, launch files.")
+    host: str = Field("127.0.0.1", description="Address the server binds (loopback by default).")
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(8001, ge=1, le=65535)
+    metrics_port: int = Field(8002, ge=1, le=65535)
+    decoupled: bool = Field(True, description="Decoupled transaction policy (needed for "
+                                              "streaming; gRPC clients then use the stream API).")
+    exclude_input_in_output: bool = Field(True, description="Return only generated tokens.")
+    add_special_tokens: bool = Field(True, description="Tokenizer adds BOS/EOS like "
+                                                       "tokenizer(text) does.")
+    skip_special_tokens: bool = Field(True)
+    accumulate_tokens: bool = Field(True, description="BLS streaming decodes all tokens so far.")
+    max_queue_delay_microseconds: int = Field(0, ge=0)
+    max_queue_size: int = Field(0, ge=0, description="0 = unlimited.")
+    instance_count: int = Field(1, ge=1, description="Pre/postprocessing and BLS instances.")
+    cpu_threads: int = Field(1, ge=1, description="torch threads of the cpu target's engine.")
+    ready_timeout_s: float = Field(180.0, gt=0, description="How long deploy waits for ready.")
+    exit_timeout_s: int = Field(30, ge=1, description="Grace period for in-flight requests.")
+    tritonserver: Path | None = Field(None, description="tritonserver binary (default: PATH, "
+                                                        "else the one in nvidia-pytriton).")
+    trtllm: TrtllmDeploySection = Field(default_factory=TrtllmDeploySection,
+                                        description="GPU targets' TensorRT-LLM serving knobs.")
+
+    @model_validator(mode="after")
+    def _distinct_ports(self):
+        ports = [self.http_port, self.grpc_port, self.metrics_port]
+        if len(set(ports)) != 3:
+            raise ValueError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
+        return self
+
+
+class ValidateSection(Section):
+    url: str | None = Field(None, description="HTTP endpoint (default: the local deployment).")
+    grpc_url: str | None = Field(None, description="gRPC endpoint host:port.")
+    jobs: list[Literal["smoke", "accuracy"]] = Field(["smoke", "accuracy"])
+    prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    min_token_agreement: float = Field(
+        1.0, ge=0, le=1, description="accuracy: fraction of greedy tokens that must equal "
+                                     "Hugging Face's (1.0 = identical, right for float32).")
+    timeout_s: float = Field(120.0, gt=0)
+
+
+class MoepipeConfig(Section):
+    model: ModelSection
+    target: Target = Field("cpu", description="cpu | trtllm-engine | trtllm-pytorch")
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    convert: ConvertSection = Field(default_factory=ConvertSection)
+    quantize: QuantizeSection = Field(default_factory=QuantizeSection)
+    build: BuildSection = Field(default_factory=BuildSection)
+    deploy: DeploySection = Field(default_factory=DeploySection)
+    # `validate` would shadow pydantic's BaseModel.validate; the YAML key is still `validate`.
+    validation: ValidateSection = Field(default_factory=ValidateSection, alias="validate")
+    workdir: Path = Field(Path("moepipe-work"), description="Where build outputs, logs and "
+                                                             "reports go.")
+
+    # Set by load_config(): the file this config came from.
+    _source: Path | None = PrivateAttr(None)
+
+    @property
+    def source(self) -> Path | None:
+        return self._source
+
+    def resolve_paths(self, base: Path) -> MoepipeConfig:
+        if self.model.path is not None and not self.model.path.is_absolute():
+            self.model.path = (base / self.model.path).resolve()
+        if not self.workdir.is_absolute():
+            self.workdir = (base / self.workdir).resolve()
+        if self.deploy.output is not None and not self.deploy.output.is_absolute():
+            self.deploy.output = (base / self.deploy.output).resolve()
+        cal = self.quantize.calibration
+        if cal.dataset is not None and not cal.dataset.is_absolute():
+            cal.dataset = (base / cal.dataset).resolve()
+        return self
+
+    @model_validator(mode="after")
+    def _target_supports_quantization(self):
+        q = self.quantize
+        if q.kv_cache != "none" and q.format == "none":
+            raise ValueError("quantize.kv_cache needs a weight format too (quantize.format: "
+                             "fp8, int8_sq or int4_awq); KV-cache-only quantization is not "
+                             "supported yet")
+        if q.format == "int8_sq" and self.target == "trtllm-engine":
+            raise ValueError("quantize.format int8_sq: TensorRT-LLM's engine path has no "
+                             "SmoothQuant MoE kernels (its SmoothQuant norms would feed int8 "
+                             "into the experts); use fp8 or int4_awq on GPUs (int8_sq is "
+                             "served by the cpu target)")
+        if q.kv_cache == "int8" and self.target == "trtllm-pytorch":
+            raise ValueError("quantize.kv_cache int8 is not served by TensorRT-LLM's PyTorch "
+                             "backend; use fp8 (or target trtllm-engine)")
+        if q.format in ("int8_sq", "w4a8_awq") and self.target == "trtllm-pytorch":
+            raise ValueError(f"quantize.format {q.format} is served by the trtllm-engine target "
+                             "only; the PyTorch backend takes fp8, int4_awq or nvfp4")
+        return self
+
+    @property
+    def deploy_dir(self) -> Path:
+        return self.deploy.output or self.workdir / "deploy"
+
+
+def _line_of(text: str, loc: tuple) -> int | None:
+    """Line number (1-based) of a key path in YAML text, best effort."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.value == str(part):
+                    line, node = key.start_mark.line + 1, value
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) \
+                and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _keys(model: type[BaseModel]) -> dict[str, Any]:
+    """YAML key -> field of a section (aliases where a field has one)."""
+    return {(f.alias or name): f for name, f in model.model_fields.items()}
+
+
+def _describe(err: dict[str, Any], model: type[BaseModel]) -> str:
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    path = ".".join(str(p) for p in loc) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = model
+        for part in loc[:-1]:
+            field = _keys(parent).get(str(part))
+            ann = field.annotation if field else None
+            parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+            if parent is None:
+                break
+        valid = f"; valid keys: {', '.join(_keys(parent))}" if parent else ""
+        return f"{path}: unknown key{valid}"
+    if kind == "literal_error":
+        choices = err["msg"].replace("Input should be", "choose")
+        return f"{path}: {err['input']!r} is not valid; {choices}"
+    if kind == "missing":
+        return f"{path}: required"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{path}: {msg} (got {err.get('input')!r})" if "input" in err and \
+        not isinstance(err.get("input"), dict) else f"{path}: {msg}"
+
+
+def parse_config(data: Any, source: str = "<config>", text: str | None = None) -> MoepipeConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections, got {type(data).__name__}",
+                          "see `moepipe init` for a commented example")
+    try:
+        return MoepipeConfig.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors()
+        first = errors[0]
+        where = source
+        if text is not None:
+            line = _line_of(text, tuple(first["loc"]))
+            if line:
+                where = f"{source}:{line}"
+        more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+        raise ConfigError(f"{where}: {_describe(first, MoepipeConfig)}{more}",
+                          "fix the value or run `moepipe init --force` for a fresh file") from None
+
+
+def load_config(path: str | Path | None = None) -> MoepipeConfig:
+    path = Path(path or DEFAULT_CONFIG)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file",
+                          "run `moepipe init --example tiny-mixtral` (or --model DIR) first, "
+                          "or pass -c FILE")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    cfg = parse_config(data, str(path), text)
+    cfg._source = path.resolve()
+    return cfg.resolve_paths(path.resolve().parent)
+
+
+INIT_TEMPLATE = """\
+# moepipe pipeline configuration - read by `moepipe build`, `deploy` and `validate`.
+# Every key is checked: unknown keys and bad values are errors that name the line.
+
+model:
+{model_line}
+  # Weight dtype of the TensorRT-LLM checkpoint: auto (keep the checkpoint's), float32,
+  # float16 or bfloat16.
+  dtype: auto
+  # Custom modelling code from the checkpoint is never run unless you allow it.
+  trust_remote_code: false
+
+# cpu: moepipe's reference runtime inside a local Triton server (no GPU needed).
+# trtllm-engine: TensorRT engines (trtllm-build, TensorRT-LLM {trtllm}) + the tensorrtllm backend.
+# trtllm-pytorch: TensorRT-LLM's PyTorch backend through Triton's llmapi model.
+target: {target}
+
+# Parallel mapping. moe_tp * moe_ep must equal tp; leave them empty to use TensorRT-LLM's
+# defaults (none set: moe_tp = tp; one set: the other is derived).
+# `moepipe inspect MODEL` lists the legal mappings of a model.
+parallel:
+  tp: {tp}
+  pp: {pp}
+  moe_tp: {moe_tp}
+  moe_ep: {moe_ep}
+
+convert:
+  # Ranks converted in parallel (each holds about one expert slice in memory).
+  workers: 1
+
+# Post-training quantization with NVIDIA Model Optimizer (modelopt), calibrated on local text.
+# format: none | fp8 | int8_sq | int4_awq (CPU or GPU) | w4a8_awq | nvfp4 (GPU only).
+# kv_cache: none | fp8 | int8. Routers and shared-expert gates are never quantized.
+quantize:
+  format: {quant_format}
+  kv_cache: {kv_cache}
+  calibration:
+    # A local .txt or .jsonl file (`text_field` names the JSON key); default: moepipe's corpus.
+    dataset:
+    samples: 32
+    seq_len: 64
+    batch_size: 4
+    # Sequences kept back from calibration to measure quality on.
+    eval_samples: 8
+  # Gates on the quality stage's measurements (empty: recorded in the manifest, not enforced).
+  quality:
+    min_top1_agreement:
+    min_logit_cosine:
+    max_ppl_delta:
+
+# Serving limits: TensorRT engines are built for them; the cpu target sizes its KV cache by them.
+build:
+  max_batch_size: 8
+  max_input_len: 1024
+  max_seq_len: 2048
+
+deploy:
+  # The server binds to loopback; set 0.0.0.0 only behind your own network controls.
+  host: 127.0.0.1
+  http_port: 8000
+  grpc_port: 8001
+  metrics_port: 8002
+  # Decoupled mode is what streaming needs (gRPC clients use the stream API, HTTP clients
+  # /generate and /generate_stream).
+  decoupled: true
+
+validate:
+  # smoke: health, metadata, one request per protocol; accuracy: greedy tokens vs transformers.
+  jobs: [smoke, accuracy]
+  max_tokens: 16
+  # Fraction of greedy tokens that must equal Hugging Face's unquantized model (1.0 for float32
+  # weights). A quantized model drifts; the quality stage gates it, and on the cpu target the
+  # accuracy job also checks the server answers exactly what the quantized checkpoint does.
+  min_token_agreement: {min_agreement}
+
+# Build outputs, server logs, pid file and validation reports.
+workdir: moepipe-work
+"""
+
+
+def render_init(*, model_path: str | None, example: str | None, target: str, tp: int, pp: int,
+                moe_tp: int | None, moe_ep: int | None, quantize: str = "none",
+                kv_cache: str = "none") -> str:
+    """A commented moepipe.yaml; validated before it is returned."""
+    from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
+
+    if model_path is not None:
+        model_line = ("  # Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer)\n"
+                      f"  path: {yaml.safe_dump(model_path).splitlines()[0]}")
+    else:
+        model_line = ("  # A built-in tiny example (written under the workdir by `build`);\n"
+                      "  # replace with `path: /models/your-checkpoint` for a real model.\n"
+                      f"  example: {example}")
+    text = INIT_TEMPLATE.format(
+        model_line=model_line, target=target, tp=tp, pp=pp, trtllm=TRTLLM_ENGINE_VERSION,
+        quant_format=quantize, kv_cache=kv_cache,
+        min_agreement="1.0" if quantize == "none" else "0.0",
+        moe_tp="" if moe_tp is None else moe_tp, moe_ep="" if moe_ep is None else moe_ep)
+    parse_config(yaml.safe_load(text), "moepipe.yaml", text)
+    return text

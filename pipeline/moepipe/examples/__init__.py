@@ -1,0 +1,143 @@
+"""Built-in tiny examples: seeded random-weight MoE checkpoints with a real local tokenizer.
+
+``write_example(name, out)`` writes a Hugging Face folder (config.json, model.safetensors,
+generation_config.json, tokenizer.json, ...) that ``AutoTokenizer`` / ``AutoModelForCausalLM``
+load offline. The same name gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from moepipe.errors import ConfigError
+from moepipe.utils.fs import atomic_dir
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
+BOS, EOS, PAD = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Example:
+    config_class: str  # transformers config class
+    description: str
+    config: dict[str, Any]
+    tokenizer_vocab: int = 512
+    seed: int = 1234
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+
+EXAMPLES: dict[str, Example] = {
+    "tiny-mixtral": Example(
+        "MixtralConfig", "Mixtral-style: 8 experts, top-2, GQA (4 heads / 2 KV heads)",
+        dict(_COMMON, vocab_size=512, intermediate_size=32, num_local_experts=8,
+             num_experts_per_tok=2, rope_theta=1e6)),
+    "tiny-mixtral-256": Example(
+        "MixtralConfig", "Mixtral-style with hidden and expert sizes of 256: INT4-AWQ quantizes "
+        "in blocks of 128 input channels, also per tp=2 shard",
+        dict(_COMMON, hidden_size=256, num_hidden_layers=2, vocab_size=512, intermediate_size=256,
+             num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6), seed=4567),
+    "tiny-qwen2-moe": Example(
+        "Qwen2MoeConfig", "Qwen2-MoE-style: 8 experts top-2 + gated shared expert, QKV bias, "
+        "vocab 514 (not a multiple of 4: exercises lm_head padding)",
+        dict(_COMMON, vocab_size=514, intermediate_size=128, moe_intermediate_size=32,
+             shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+             norm_topk_prob=False, qkv_bias=True, rope_theta=1e6, decoder_sparse_step=1,
+             mlp_only_layers=[], use_sliding_window=False), seed=2345),
+    "tiny-qwen3-moe": Example(
+        "Qwen3MoeConfig", "Qwen3-MoE-style: 8 experts top-2 with norm_topk_prob, q/k RMSNorm",
+        dict(_COMMON, vocab_size=512, intermediate_size=128, moe_intermediate_size=32,
+             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
+             attention_bias=False, rope_theta=1e6, decoder_sparse_step=1, mlp_only_layers=[],
+             use_sliding_window=False), seed=3456),
+}
+
+
+def corpus_text() -> str:
+    """The small public-domain corpus shipped for tokenizers, prompts and calibration."""
+    return resources.files("moepipe.examples").joinpath("corpus.txt").read_text()
+
+
+def build_tokenizer(vocab_size: int):
+    """Train a byte-level BPE on the shipped corpus (deterministic) and wrap it for HF."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus_text().splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", model_max_length=2048)
+
+
+def _init_weights(model, seed: int) -> None:
+    """Deterministic, well-conditioned random weights: unit-variance activations, decisive
+    routers and norms that are not all ones (so a swapped norm cannot hide)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        # A random model picks </s> as often as any token; damp it so greedy runs go on long
+        # enough to compare (a client's end_id still stops them).
+        if not model.config.tie_word_embeddings:
+            model.lm_head.weight[EOS] *= 0.1
+
+
+def write_example(name: str, out: str | Path, overwrite: bool = False) -> Path:
+    """Write example ``name`` as a Hugging Face checkpoint folder at ``out``."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    if name not in EXAMPLES:
+        raise ConfigError(f"unknown example '{name}'",
+                          f"choose one of: {', '.join(sorted(EXAMPLES))}")
+    ex = EXAMPLES[name]
+    out = Path(out)
+    tokenizer = build_tokenizer(ex.tokenizer_vocab)
+    config = getattr(transformers, ex.config_class)(**ex.config, dtype="float32")
+    torch.manual_seed(ex.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _init_weights(model, ex.seed)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, do_sample=False)
+    with atomic_dir(out, overwrite) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    return out
+
+
+def example_spec(name: str):
+    """The :class:`~moepipe.arch.spec.ModelSpec` of example ``name`` without writing it."""
+    import transformers
+
+    from moepipe.arch import get_family
+
+    if name not in EXAMPLES:
+        raise ConfigError(f"unknown example '{name}'",
+                          f"choose one of: {', '.join(sorted(EXAMPLES))}")
+    ex = EXAMPLES[name]
+    config = getattr(transformers, ex.config_class)(**ex.config, dtype="float32").to_dict()
+    arch = ex.config_class.replace("Config", "ForCausalLM")
+    config["architectures"] = [arch]
+    return get_family(arch).spec(config, f"example {name}")

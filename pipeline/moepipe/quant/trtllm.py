@@ -1,0 +1,436 @@
+"""TensorRT-LLM quantized checkpoints from modelopt's unified Hugging Face export.
+
+modelopt writes per-module tensors (``weight`` in the quantized dtype, ``weight_scale``,
+``input_scale``, ``pre_quant_scale``, ``k_scale``/``v_scale``). TensorRT-LLM wants them fused and
+sharded like the unquantized weights, with its own names (``tensorrt_llm/quantization/layers.py``,
+``layers/moe.py``):
+
+======================  ==================================================================
+FP8                     ``weight`` fp8; ``weights_scaling_factor`` [1] (experts [E_local, 1]);
+                        ``activation_scaling_factor`` [1]. Parts fused into one tensor (q/k/v,
+                        up/gate) share one weight scale: the max, the others requantized to it.
+                        The experts' activation scale is the max over all experts.
+W4A16_AWQ               ``weight`` int8 [out/2, in] (two int4 rows per byte, low nibble = even
+                        row); ``weights_scaling_factor`` [out, in/128] (f32, TensorRT-LLM
+                        transposes it at load); ``prequant_scaling_factor`` [in] (experts
+                        [E_local, in]) in the model dtype; ones where modelopt folded it into
+                        the norm (q/k/v).
+W8A8_SQ_PER_CHANNEL     ``weight`` int8 [out, in]; ``per_channel_scale`` [1, out];
+                        ``act_scale`` [1, 1]; row-parallel layers ``smoother`` [1, in]
+                        (= 1 / pre_quant_scale). q/k/v's smoothing is folded into
+                        ``input_layernorm`` (plus its ``scale_to_int``). Routed experts stay in
+                        the model dtype: TensorRT-LLM has no SmoothQuant MoE.
+KV cache (FP8 / INT8)   ``attention.kv_cache_scaling_factor`` [1] = max(k_scale, v_scale)
+                        (FP8 clamped to >= 1, as modelopt's TensorRT-LLM export does).
+======================  ==================================================================
+
+Sharding is the unquantized one (:mod:`moepipe.arch.rules`): column-parallel scales follow their
+rows, row-parallel AWQ scales and smoothers follow the input slice, per-tensor scales are
+replicated. Every value is computed from the whole source tensors, so any mapping holds exactly
+the same quantized values as tp=1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from moepipe.arch.rules import (
+    QKV,
+    ExpertsDown,
+    ExpertsGatedPair,
+    GatedPair,
+    RankContext,
+    Replicated,
+    Rule,
+    Split,
+    _chunk,
+)
+from moepipe.checkpoints.st_io import DTYPES, F32, DType
+from moepipe.errors import MappingError, UnsupportedError
+
+FP8, AWQ, SQ = "FP8", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"
+ALGOS = (FP8, AWQ, SQ)
+KV_ALGOS = ("FP8", "INT8")
+GROUP = 128
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """What modelopt's ``hf_quant_config.json`` says about a unified checkpoint."""
+
+    algo: str
+    kv_algo: str | None
+    group_size: int
+    exclude: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, data: dict[str, Any], where: str) -> QuantInfo:
+        q = data.get("quantization", data)
+        algo, kv = q.get("quant_algo"), q.get("kv_cache_quant_algo")
+        if algo not in ALGOS:
+            raise UnsupportedError(f"{where}: quant_algo {algo} cannot be converted to a "
+                                   "TensorRT-LLM checkpoint here",
+                                   f"supported: {', '.join(ALGOS)}")
+        if kv is not None and kv not in KV_ALGOS:
+            raise UnsupportedError(f"{where}: kv_cache_quant_algo {kv} is not supported")
+        return cls(algo, kv, int(q.get("group_size") or GROUP),
+                   tuple(q.get("exclude_modules") or ()))
+
+    def block(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The ``quantization`` block of the TensorRT-LLM config.json."""
+        from moepipe.trtllm.checkpoint_config import quant_block
+
+        kw: dict[str, Any] = {"exclude_modules": ["lm_head", "*router", "*shared_expert_gate",
+                                                  "*vocab_embedding"]}
+        if self.algo == AWQ:
+            kw.update(group_size=self.group_size, has_zero_point=False, pre_quant_scale=True)
+        return quant_block(self.algo, self.kv_algo, **kw)
+
+
+def _module(weight: str) -> str:
+    return weight.removesuffix(".weight")
+
+
+# -- geometry: which source rows / columns a rank's tensor is made of ------------------------
+@dataclass(frozen=True)
+class Part:
+    module: str  # HF module path (layer and expert filled in)
+    rows: slice | None  # column-parallel: logical output rows
+    cols: slice | None  # row-parallel: input columns
+
+
+def column_parts(base: Rule, ctx: RankContext) -> list[list[Part]]:
+    """Groups (one per expert, or one) of parts stacked along the output rows."""
+    s, m = ctx.spec, ctx.mapping
+    if isinstance(base, QKV):
+        q = Part(_module(ctx.name(base.q)), _chunk(s.num_heads * s.head_dim, ctx.tp,
+                                                      ctx.tp_rank), None)
+        kv = base.kv_rows(ctx)
+        return [[q, Part(_module(ctx.name(base.k)), kv, None),
+                 Part(_module(ctx.name(base.v)), kv, None)]]
+    if isinstance(base, GatedPair):
+        rows = _chunk(getattr(s, base.inter_dim), ctx.tp, ctx.tp_rank)
+        return [[Part(_module(ctx.name(base.up)), rows, None),
+                 Part(_module(ctx.name(base.gate)), rows, None)]]
+    if isinstance(base, ExpertsGatedPair):
+        rows = _chunk(s.expert_intermediate_size, m.moe_tp, m.moe_tp_rank(ctx.rank))
+        e = base.experts
+        return [[Part(_module(ctx.name(e.up, expert=x)), rows, None),
+                 Part(_module(ctx.name(e.gate, expert=x)), rows, None)]
+                for x in m.ep_experts(s.num_experts, ctx.rank)]
+    raise TypeError(base)
+
+
+def row_parts(base: Rule, ctx: RankContext) -> list[Part]:
+    """One part per expert (or one) sliced along the input columns."""
+    s, m = ctx.spec, ctx.mapping
+    if isinstance(base, Split) and base.dim == 1:
+        cols = _chunk(getattr(s, base.in_dim), ctx.tp, ctx.tp_rank)
+        return [Part(_module(ctx.name(base.src)), None, cols)]
+    if isinstance(base, ExpertsDown):
+        cols = _chunk(s.expert_intermediate_size, m.moe_tp, m.moe_tp_rank(ctx.rank))
+        return [Part(_module(ctx.name(base.experts.down, expert=x)), None, cols)
+                for x in m.ep_experts(s.num_experts, ctx.rank)]
+    raise TypeError(base)
+
+
+def is_column(base: Rule) -> bool:
+    return isinstance(base, (QKV, GatedPair, ExpertsGatedPair)) and not getattr(base, "bias",
+                                                                               False)
+
+
+def is_row(base: Rule) -> bool:
+    return isinstance(base, ExpertsDown) or (isinstance(base, Split) and base.dim == 1)
+
+
+def is_expert(base: Rule) -> bool:
+    return isinstance(base, (ExpertsGatedPair, ExpertsDown))
+
+
+# -- the tensors ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QTensor(Rule):
+    """One TensorRT-LLM tensor of a quantized linear layer (``kind``: weight,
+    weights_scaling_factor, activation_scaling_factor, prequant_scaling_factor,
+    per_channel_scale, act_scale, smoother)."""
+
+    base: Rule
+    kind: str
+    algo: str
+    model_dtype: DType = field(default=F32, kw_only=True)
+
+    def sources(self, ctx, reader):
+        return [n for p in self._flat(ctx) for n in (f"{p.module}.weight",)] \
+            + [n for p in self._flat(ctx) for n in _companions(p.module, reader)]
+
+    def source_shapes(self, ctx):
+        return {}
+
+    def _flat(self, ctx) -> list[Part]:
+        if is_column(self.base):
+            return [p for group in column_parts(self.base, ctx) for p in group]
+        return row_parts(self.base, ctx)
+
+    def out_dtype(self, ctx) -> DType:
+        if self.kind == "weight":
+            return {FP8: DTYPES["F8_E4M3"], AWQ: DTYPES["I8"], SQ: DTYPES["I8"]}[self.algo]
+        if self.kind == "prequant_scaling_factor":
+            return self.model_dtype
+        return F32
+
+    def shape(self, ctx) -> tuple[int, ...]:
+        base_shape = self.base.shape(ctx)
+        experts = base_shape[0] if is_expert(self.base) else None
+        out, inp = base_shape[-2], base_shape[-1]
+        lead = (experts,) if experts is not None else ()
+        k, a = self.kind, self.algo
+        if k == "weight":
+            return (*lead, out // 2, inp) if a == AWQ else base_shape
+        if k == "weights_scaling_factor":
+            if a == FP8:
+                return (experts, 1) if experts is not None else (1,)
+            return (*lead, out, inp // GROUP)
+        if k == "activation_scaling_factor":
+            return (1,)
+        if k == "prequant_scaling_factor":
+            return (*lead, inp)
+        if k == "per_channel_scale":
+            return (1, out)
+        if k == "act_scale":
+            return (1, 1)
+        if k == "smoother":
+            return (1, inp)
+        raise ValueError(k)
+
+    def chunks(self, ctx, reader) -> Iterator:
+        import torch
+
+        k, a = self.kind, self.algo
+        if is_column(self.base):
+            groups = column_parts(self.base, ctx)
+            if k == "weight":
+                for group in groups:
+                    target = _group_scale(group, reader) if a == FP8 else None
+                    for p in group:
+                        yield _column_weight(p, reader, a, target)
+            elif k == "weights_scaling_factor":
+                if a == FP8:
+                    yield torch.tensor([_group_scale(g, reader) for g in groups],
+                                       dtype=torch.float32).reshape(self.shape(ctx))
+                else:
+                    for group in groups:
+                        for p in group:
+                            yield reader.read(f"{p.module}.weight_scale", (p.rows,))
+            elif k in ("activation_scaling_factor", "act_scale"):
+                yield torch.tensor(_input_scale_max(self.base, ctx, reader)).reshape(
+                    self.shape(ctx))
+            elif k == "prequant_scaling_factor":
+                for group in groups:
+                    yield _pqs(group[0].module, reader, ctx.spec.hidden_size)
+            elif k == "per_channel_scale":
+                for group in groups:
+                    for p in group:
+                        yield reader.read(f"{p.module}.weight_scale", (p.rows,))
+            elif k == "smoother":
+                yield 1.0 / _pqs(groups[0][0].module, reader, ctx.spec.hidden_size)
+            else:
+                raise ValueError(k)
+            return
+        parts = row_parts(self.base, ctx)
+        if k == "weight":
+            for p in parts:
+                yield reader.ref(f"{p.module}.weight", (slice(None), p.cols))
+        elif k == "weights_scaling_factor":
+            if a == FP8:
+                yield torch.tensor([_scale(reader, f"{p.module}.weight_scale") for p in parts],
+                                   dtype=torch.float32).reshape(self.shape(ctx))
+            else:
+                blocks = slice(p0.cols.start // GROUP, p0.cols.stop // GROUP) \
+                    if (p0 := parts[0]).cols is not None else None
+                for p in parts:
+                    yield reader.read(f"{p.module}.weight_scale", (slice(None), blocks))
+        elif k in ("activation_scaling_factor", "act_scale"):
+            yield torch.tensor(_input_scale_max(self.base, ctx, reader)).reshape(
+                self.shape(ctx))
+        elif k == "prequant_scaling_factor":
+            for p in parts:
+                yield _pqs(p.module, reader, None)[p.cols]
+        elif k == "per_channel_scale":
+            yield reader.read(f"{parts[0].module}.weight_scale").reshape(1, -1)
+        elif k == "smoother":
+            yield 1.0 / _pqs(parts[0].module, reader, None)[parts[0].cols]
+        else:
+            raise ValueError(k)
+
+
+def _companions(module: str, reader) -> list[str]:
+    return [f"{module}.{n}" for n in ("weight_scale", "input_scale", "pre_quant_scale")
+            if reader.has(f"{module}.{n}")]
+
+
+def _scale(reader, name: str) -> float:
+    return float(reader.read(name).float().reshape(-1)[0])
+
+
+def _group_scale(group: list[Part], reader) -> float:
+    """FP8 parts fused into one tensor share the largest weight scale."""
+    return max(_scale(reader, f"{p.module}.weight_scale") for p in group)
+
+
+def _column_weight(p: Part, reader, algo: str, target: float | None):
+    import torch
+
+    if algo == AWQ:  # two logical rows per packed row
+        rows = slice(p.rows.start // 2, p.rows.stop // 2)
+        return reader.read(f"{p.module}.weight", (rows,)).view(torch.int8)
+    w = reader.read(f"{p.module}.weight", (p.rows,))
+    if algo == FP8:
+        own = _scale(reader, f"{p.module}.weight_scale")
+        if own != target:  # requantize to the shared scale
+            w = (w.float() * (own / target)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return w
+
+
+def _input_scale_max(base: Rule, ctx: RankContext, reader) -> float:
+    """One activation scale per fused tensor; for experts the max over ALL experts (the same on
+    every rank, as TensorRT-LLM's MoE takes one scale per layer)."""
+    s = ctx.spec
+    if isinstance(base, (ExpertsGatedPair, ExpertsDown)):
+        e = base.experts
+        names = [ctx.name(t, expert=x) for x in range(s.num_experts)
+                 for t in ((e.up, e.gate) if isinstance(base, ExpertsGatedPair) else (e.down,))]
+    elif isinstance(base, QKV):
+        names = [ctx.name(base.q), ctx.name(base.k), ctx.name(base.v)]
+    elif isinstance(base, GatedPair):
+        names = [ctx.name(base.up), ctx.name(base.gate)]
+    else:
+        names = [ctx.name(base.src)]
+    return max(_scale(reader, f"{_module(n)}.input_scale") for n in names)
+
+
+def _pqs(module: str, reader, size: int | None):
+    """pre_quant_scale of a module; ones where modelopt folded it into the preceding norm."""
+    import torch
+
+    name = f"{module}.pre_quant_scale"
+    if reader.has(name):
+        return reader.read(name).float()
+    if size is None:
+        size = reader.shape(f"{module}.weight")[-1]
+    return torch.ones(size)
+
+
+@dataclass(frozen=True)
+class FoldedNorm(Rule):
+    """SmoothQuant: ``input_layernorm`` with q/k/v's smoothing scale folded in."""
+
+    norm: Replicated
+    qkv: QKV
+
+    def sources(self, ctx, reader):
+        return self.norm.sources(ctx, reader)
+
+    def source_shapes(self, ctx):
+        return self.norm.source_shapes(ctx)
+
+    def shape(self, ctx):
+        return self.norm.shape(ctx)
+
+    def chunks(self, ctx, reader):
+        norm = reader.read(ctx.name(self.norm.src)).float()
+        yield norm * _pqs(_module(ctx.name(self.qkv.q)), reader, ctx.spec.hidden_size)
+
+
+@dataclass(frozen=True)
+class ScaleToInt(Rule):
+    """SmoothQuant norm output quantization: 1 / act_scale of the linear it feeds."""
+
+    qkv: QKV
+
+    def sources(self, ctx, reader):
+        return []
+
+    def source_shapes(self, ctx):
+        return {}
+
+    def shape(self, ctx):
+        return (1,)
+
+    def chunks(self, ctx, reader):
+        import torch
+
+        yield torch.tensor([1.0 / _input_scale_max(self.qkv, ctx, reader)])
+
+
+@dataclass(frozen=True)
+class KvScale(Rule):
+    qkv: QKV
+    kv_algo: str
+    float32: bool = field(default=True, kw_only=True)
+
+    def sources(self, ctx, reader):
+        return [f"{_module(ctx.name(self.qkv.k))}.k_scale",
+                f"{_module(ctx.name(self.qkv.v))}.v_scale"]
+
+    def source_shapes(self, ctx):
+        return {}
+
+    def shape(self, ctx):
+        return (1,)
+
+    def chunks(self, ctx, reader):
+        import torch
+
+        k, v = (_scale(reader, n) for n in self.sources(ctx, reader))
+        scale = max(k, v)
+        if self.kv_algo == "FP8":
+            scale = max(scale, 1.0)
+        yield torch.tensor([scale], dtype=torch.float32)
+
+
+KINDS = {
+    FP8: ("weight", "weights_scaling_factor", "activation_scaling_factor"),
+    AWQ: ("weight", "weights_scaling_factor", "prequant_scaling_factor"),
+    SQ: ("weight", "per_channel_scale", "act_scale"),
+}
+
+
+def quantized_rules(suffix: str, rule: Rule, reader, ctx: RankContext, info: QuantInfo,
+                    dtype: DType, layer_rules: dict[str, Rule]) -> dict[str, Rule]:
+    """TensorRT-LLM tensors for one family rule of a quantized checkpoint (suffix -> rule)."""
+    if suffix == "input_layernorm.weight" and info.algo == SQ:
+        qkv = layer_rules["attention.qkv.weight"]
+        return {suffix: FoldedNorm(rule, qkv), "input_layernorm.scale_to_int": ScaleToInt(qkv)}
+    if suffix == "attention.qkv.weight" and info.kv_algo is not None:
+        extra = {"attention.kv_cache_scaling_factor": KvScale(rule, info.kv_algo)}
+    else:
+        extra = {}
+    if not (is_column(rule) or is_row(rule)) or not _is_quantized(rule, ctx, reader):
+        return {suffix: rule, **extra}
+    if info.algo == AWQ:
+        _check_awq_split(rule, ctx)
+    prefix = suffix.removesuffix(".weight")
+    kinds = KINDS[info.algo]
+    if info.algo == SQ and (is_row(rule) or isinstance(rule, GatedPair)):
+        kinds = (*kinds, "smoother")
+    return {f"{prefix}.{k}": QTensor(rule, k, info.algo, model_dtype=dtype) for k in kinds} \
+        | extra
+
+
+def _is_quantized(rule: Rule, ctx: RankContext, reader) -> bool:
+    parts = [p for g in column_parts(rule, ctx) for p in g] if is_column(rule) \
+        else row_parts(rule, ctx)
+    return reader.has(f"{parts[0].module}.weight_scale")
+
+
+def _check_awq_split(rule: Rule, ctx: RankContext) -> None:
+    if is_row(rule):
+        width = row_parts(rule, ctx)[0].cols
+        if (width.stop - width.start) % GROUP:
+            raise MappingError(
+                f"int4_awq: a rank's slice of the row-parallel input has "
+                f"{width.stop - width.start} channels, not a multiple of the AWQ block {GROUP}",
+                "use a smaller tp / moe_tp (or expert parallelism) for this model")

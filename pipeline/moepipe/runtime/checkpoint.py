@@ -1,0 +1,76 @@
+"""Loading a TensorRT-LLM checkpoint folder (config.json + rank{r}.safetensors) for the
+reference runtime, interpreting ``config.json`` as TensorRT-LLM 1.2 does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moepipe.arch import get_family_for_trtllm
+from moepipe.arch.family import Family, RuntimeFacts
+from moepipe.checkpoints.hf import read_json
+from moepipe.checkpoints.st_io import load_file
+from moepipe.errors import CheckpointError, UnsupportedError
+from moepipe.runtime.routing import RoutingSpec
+from moepipe.trtllm.mapping import Mapping
+
+
+@dataclass
+class TrtllmCheckpoint:
+    path: Path
+    config: dict[str, Any]
+    family: Family
+    facts: RuntimeFacts
+    mapping: Mapping
+    routing: RoutingSpec
+    ranks: list[dict[str, torch.Tensor]]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+
+_REQUIRED = ("architecture", "dtype", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "vocab_size", "moe", "mapping")
+
+
+def load_checkpoint(path: str | Path) -> TrtllmCheckpoint:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such directory",
+                              "pass a TensorRT-LLM checkpoint folder made by `moepipe convert`")
+    cfg = read_json(path / "config.json", "a TensorRT-LLM checkpoint folder")
+    missing = [k for k in _REQUIRED if k not in cfg]
+    if missing:
+        raise CheckpointError(f"{path / 'config.json'}: missing {', '.join(missing)}",
+                              "not a TensorRT-LLM checkpoint config")
+    family = get_family_for_trtllm(cfg["architecture"])
+    if cfg.get("position_embedding_type", "rope_gpt_neox") != "rope_gpt_neox":
+        raise UnsupportedError(f"position_embedding_type {cfg['position_embedding_type']}")
+    if cfg.get("rotary_scaling"):
+        raise UnsupportedError("rotary_scaling is not implemented by the reference runtime")
+    for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                "output_multiplier_scale"):
+        if float(cfg.get(key, 1.0)) != 1.0:
+            raise UnsupportedError(f"{key} != 1 is not implemented by the reference runtime")
+    if cfg.get("use_parallel_embedding"):
+        raise UnsupportedError("use_parallel_embedding is not implemented by the reference runtime")
+    mapping = Mapping.from_trtllm(cfg["mapping"])
+    ranks = []
+    for rank in range(mapping.world_size):
+        file = path / f"rank{rank}.safetensors"
+        if not file.is_file():
+            raise CheckpointError(f"{path}: rank{rank}.safetensors is missing "
+                                  f"(world size {mapping.world_size})",
+                                  "the checkpoint is incomplete; convert it again")
+        ranks.append(load_file(file))
+    return TrtllmCheckpoint(path=path, config=cfg, family=family,
+                            facts=family.runtime_facts(cfg), mapping=mapping,
+                            routing=RoutingSpec.from_trtllm(cfg["moe"]), ranks=ranks)

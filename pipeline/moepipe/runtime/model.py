@@ -1,0 +1,356 @@
+"""The reference runtime: a TensorRT-LLM checkpoint run on CPU with torch, rank by rank.
+
+Every tensor-parallel rank computes with its own shard and the partial results are summed, as
+TensorRT-LLM's all-reduce does: attention heads per rank, row-parallel dense output, experts of
+the rank's EP group on its slice of the expert FFN, shared expert split over tp, vocab-parallel
+``lm_head`` gathered. Pipeline stages run one after the other. Weights are the checkpoint's own
+(cast to float32 for compute), so parity with Hugging Face proves the converter and the config.
+
+The batch interface is *packed*: tokens of several sequences concatenated, each sequence with its
+cache slot and the number of tokens already cached - ragged prefill and batched decode share one
+``forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from moepipe.errors import CheckpointError
+from moepipe.quant import dequant
+from moepipe.quant.dequant import ActQuant
+from moepipe.runtime.checkpoint import TrtllmCheckpoint
+from moepipe.runtime.routing import RouteFn, route
+from moepipe.trtllm.mapping import stage_layers
+
+# MoE strategy by work size (multiply-adds of a layer's experts on this batch): all experts
+# densely, zero-weighting the unselected, while that is cheap (tiny models, decode steps);
+# else one loop over the selected experts.
+DENSE_LIMIT = 1 << 24
+
+
+@dataclass
+class RankLayer:
+    """One decoder layer's weights on one tensor-parallel rank."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    dense: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    experts: range  # global ids of this rank's experts
+    fc: torch.Tensor  # [E_local, 2*I_r, H], rows = [up | gate]
+    proj: torch.Tensor  # [E_local, H, I_r]
+    fc_flat: torch.Tensor  # [E_local * 2*I_r, H] (a view of fc)
+    proj_flat: torch.Tensor  # [E_local * I_r, H] (proj transposed per expert)
+    shared_fc: torch.Tensor | None
+    shared_proj: torch.Tensor | None
+    heads: int
+    kv_heads: int
+    # activation quantizers of the linears (quantized checkpoints), and the KV cache's
+    aq: dict[str, ActQuant | None] = field(default_factory=dict)
+    kv: ActQuant | None = None
+
+    def quant(self, which: str, x: torch.Tensor) -> torch.Tensor:
+        q = self.aq.get(which)
+        return x if q is None else q(x)
+
+
+@dataclass
+class Layer:
+    index: int
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    router: torch.Tensor  # [E, H] float32
+    shared_gate: torch.Tensor | None
+    ranks: list[RankLayer]
+
+
+@dataclass
+class Batch:
+    """Packed tokens: ``tokens`` holds ``seq_lens[i]`` new tokens of sequence i, whose cache slot
+    ``slots[i]`` already holds ``past_lens[i]`` tokens."""
+
+    tokens: torch.Tensor
+    seq_lens: list[int]
+    past_lens: list[int]
+    slots: list[int]
+
+    @classmethod
+    def single(cls, tokens: list[int], past: int = 0, slot: int = 0) -> Batch:
+        return cls(torch.tensor(tokens, dtype=torch.long), [len(tokens)], [past], [slot])
+
+
+@dataclass
+class _AttentionPlan:
+    """How a packed batch's attention is computed: single-token sequences with a cache in one
+    batched call (decode), the others one sequence at a time (prefill)."""
+
+    decode: tuple | None  # (token indices, slots, past lengths, key length, mask)
+    prefill: list[tuple[int, int, int, int]]  # (start, n, past, slot)
+
+    @classmethod
+    def of(cls, batch: Batch, cache: KVCache | None) -> _AttentionPlan:
+        starts = [0]
+        for n in batch.seq_lens[:-1]:
+            starts.append(starts[-1] + n)
+        seqs = list(zip(starts, batch.seq_lens, batch.past_lens, batch.slots, strict=True))
+        if cache is None:
+            if any(past for _, _, past, _ in seqs):
+                raise ValueError("a sequence with cached tokens needs the cache")
+            return cls(None, seqs)
+        single = [s for s in seqs if s[1] == 1]
+        decode = None
+        if single:
+            past = torch.tensor([s[2] for s in single])
+            length = int(past.max()) + 1
+            decode = (torch.tensor([s[0] for s in single]), torch.tensor([s[3] for s in single]),
+                      past, length,
+                      (torch.arange(length)[None, :] <= past[:, None])[:, None, None, :])
+        return cls(decode, [s for s in seqs if s[1] != 1])
+
+
+class KVCache:
+    """Per-slot key/value cache, one tensor per (layer, tp rank)."""
+
+    def __init__(self, model: ReferenceModel, num_slots: int, max_len: int):
+        self.num_slots, self.max_len = num_slots, max_len
+        self.k: list[list[torch.Tensor]] = []
+        self.v: list[list[torch.Tensor]] = []
+        for layer in model.layers:
+            shape = [(num_slots, r.kv_heads, max_len, model.head_size) for r in layer.ranks]
+            self.k.append([torch.zeros(s) for s in shape])
+            self.v.append([torch.zeros(s) for s in shape])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class ReferenceModel:
+    """Forward passes over a loaded :class:`TrtllmCheckpoint`."""
+
+    def __init__(self, ckpt: TrtllmCheckpoint, router: RouteFn = route):
+        self.ckpt = ckpt
+        self.route = router
+        cfg = ckpt.config
+        self.mapping = m = ckpt.mapping
+        self.hidden = int(cfg["hidden_size"])
+        self.num_heads = int(cfg["num_attention_heads"])
+        self.num_kv_heads = int(cfg.get("num_key_value_heads") or self.num_heads)
+        self.head_size = int(cfg.get("head_size") or self.hidden // self.num_heads)
+        self.eps = float(cfg.get("norm_epsilon", 1e-5))
+        self.vocab_size = ckpt.vocab_size
+        self.num_experts = ckpt.routing.num_experts
+        quant = cfg.get("quantization") or {}
+        self.quant_algo = quant.get("quant_algo")
+        self.kv_algo = quant.get("kv_cache_quant_algo")
+        rot_dim = int(cfg.get("rotary_embedding_dim") or self.head_size)
+        base = float(cfg.get("rotary_base", 10000.0))
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float()
+                                        / rot_dim))
+        if rot_dim != self.head_size:
+            raise CheckpointError("partial rotary embeddings are not implemented")
+        self.layers: list[Layer] = []
+        for stage in range(m.pp):
+            stage_ranks = [stage * m.tp + t for t in range(m.tp)]
+            for local, index in enumerate(stage_layers(ckpt.num_layers, m.pp, stage)):
+                self.layers.append(self._layer(index, f"transformer.layers.{local}.", stage_ranks))
+        first, last = 0, (m.pp - 1) * m.tp
+        self.embedding = self._get(first, "transformer.vocab_embedding.weight")
+        self.ln_f = self._get(last, "transformer.ln_f.weight")
+        self.lm_head = [self._get(last + t, "lm_head.weight") for t in range(m.tp)]
+        self.expert_tokens = torch.zeros(ckpt.num_layers, self.num_experts, dtype=torch.long)
+
+    def _get(self, rank: int, name: str, optional: bool = False) -> torch.Tensor | None:
+        tensors = self.ckpt.ranks[rank]
+        if name not in tensors:
+            if optional:
+                return None
+            raise CheckpointError(f"{self.ckpt.path}: rank{rank}.safetensors lacks '{name}'",
+                                  "the checkpoint does not match its config.json")
+        return tensors[name].float()
+
+    def _linear(self, rank: int, name: str, needed: bool = True):
+        """(float weight, activation quantizer) of a linear layer, dequantized if needed."""
+        tensors = self.ckpt.ranks[rank]
+        if f"{name}.weight" not in tensors:
+            if not needed:
+                return None, None
+            self._get(rank, f"{name}.weight")  # raises the clear error
+        return dequant.linear(tensors, name, self.quant_algo)
+
+    def _layer(self, index: int, p: str, ranks: list[int]) -> Layer:
+        facts, m = self.ckpt.facts, self.mapping
+        per_rank = []
+        heads = self.num_heads // m.tp
+        kv_heads = max(1, self.num_kv_heads // m.tp)
+        shared = bool(facts.shared_expert_intermediate_size)
+        for rank in ranks:
+            qkv, qkv_aq = self._linear(rank, p + "attention.qkv")
+            dense, dense_aq = self._linear(rank, p + "attention.dense")
+            fc, fc_aq = self._linear(rank, p + "mlp.fc")
+            proj, proj_aq = self._linear(rank, p + "mlp.proj")
+            shared_fc, shared_fc_aq = self._linear(rank, p + "mlp.shared_expert.fc", shared)
+            shared_proj, shared_proj_aq = self._linear(rank, p + "mlp.shared_expert.proj",
+                                                       shared)
+            per_rank.append(RankLayer(
+                qkv=qkv,
+                qkv_bias=self._get(rank, p + "attention.qkv.bias") if facts.attn_bias else None,
+                dense=dense,
+                q_norm=self._get(rank, p + "attention.q_layernorm.weight") if facts.qk_norm
+                else None,
+                k_norm=self._get(rank, p + "attention.k_layernorm.weight") if facts.qk_norm
+                else None,
+                experts=m.ep_experts(self.num_experts, rank),
+                fc=fc, proj=proj, fc_flat=fc.reshape(-1, fc.shape[-1]),
+                proj_flat=proj.transpose(1, 2).reshape(-1, proj.shape[1]).contiguous(),
+                shared_fc=shared_fc if shared else None,
+                shared_proj=shared_proj if shared else None,
+                heads=heads, kv_heads=kv_heads,
+                aq={"qkv": qkv_aq, "dense": dense_aq, "fc": fc_aq, "proj": proj_aq,
+                    "shared_fc": shared_fc_aq, "shared_proj": shared_proj_aq},
+                kv=dequant.kv_quant(self.ckpt.ranks[rank], p + "attention.", self.kv_algo)))
+        r0 = ranks[0]
+        return Layer(index=index,
+                     input_norm=self._get(r0, p + "input_layernorm.weight"),
+                     post_norm=self._get(r0, p + "post_layernorm.weight"),
+                     router=self._get(r0, p + "mlp.router.weight"),
+                     shared_gate=self._get(r0, p + "mlp.shared_expert_gate.weight")
+                     if shared else None,
+                     ranks=per_rank)
+
+    # -- forward -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: Batch, cache: KVCache | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Logits of the last token of each sequence ``[num_seqs, vocab]`` (or of every token
+        with ``all_logits``). With a cache, new keys/values are stored in the sequences' slots."""
+        positions = torch.cat([torch.arange(p, p + n) for p, n in
+                               zip(batch.past_lens, batch.seq_lens, strict=True)])
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        h = self.embedding[batch.tokens]
+        plan = _AttentionPlan.of(batch, cache)
+        for layer in self.layers:
+            x = rms_norm(h, layer.input_norm, self.eps)
+            attn = torch.zeros_like(h)
+            for r, w in enumerate(layer.ranks):
+                attn += self._attention(x, w, layer.index, r, cos, sin, plan, cache)
+            h = h + attn
+            x = rms_norm(h, layer.post_norm, self.eps)
+            h = h + self._moe(x, layer)
+        if not all_logits:
+            last = torch.tensor(batch.seq_lens).cumsum(0) - 1
+            h = h[last]
+        h = rms_norm(h, self.ln_f, self.eps)
+        logits = torch.cat([h @ part.T for part in self.lm_head], dim=-1)
+        return logits[:, : self.vocab_size]
+
+    def _attention(self, x, w: RankLayer, layer: int, rank: int, cos, sin,
+                   plan: _AttentionPlan, cache: KVCache | None) -> torch.Tensor:
+        hd = self.head_size
+        qkv = w.quant("qkv", x) @ w.qkv.T
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
+        q, k, v = qkv.split([w.heads * hd, w.kv_heads * hd, w.kv_heads * hd], dim=-1)
+        q = q.view(-1, w.heads, hd)
+        k = k.view(-1, w.kv_heads, hd)
+        v = v.view(-1, w.kv_heads, hd)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, self.eps)
+            k = rms_norm(k, w.k_norm, self.eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if w.kv is not None:  # the cache holds quantized keys and values
+            k, v = w.kv(k), w.kv(v)
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            idx = plan.decode[0]
+            out[idx] = self._decode_attention(q[idx], k[idx], v[idx], layer, rank, cache,
+                                              plan.decode[1:])
+        for start, n, past, slot in plan.prefill:
+            out[start:start + n] = self._prefill_attention(
+                q[start:start + n], k[start:start + n], v[start:start + n], layer, rank,
+                past, slot, cache)
+        return w.quant("dense", out.reshape(-1, w.heads * hd)) @ w.dense.T
+
+    def _prefill_attention(self, q, k, v, layer, rank, past, slot, cache):
+        """One sequence's new tokens (a prompt, or a chunk of one)."""
+        n = q.shape[0]
+        qs, ks, vs = (t.transpose(0, 1) for t in (q, k, v))
+        if cache is not None:
+            kc, vc = cache.k[layer][rank], cache.v[layer][rank]
+            kc[slot, :, past:past + n] = ks
+            vc[slot, :, past:past + n] = vs
+            ks, vs = kc[slot, :, :past + n], vc[slot, :, :past + n]
+        mask = torch.arange(past + n)[None, :] <= (past + torch.arange(n))[:, None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    def _decode_attention(self, q, k, v, layer, rank, cache, decode):
+        kc, vc = cache.k[layer][rank], cache.v[layer][rank]
+        slots, past, length, mask = decode
+        kc[slots, :, past] = k
+        vc[slots, :, past] = v
+        keys, values = kc[slots, :, :length], vc[slots, :, :length]
+        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
+                                           enable_gqa=True)
+        return o[:, :, 0, :]
+
+    def _moe(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        logits = x.float() @ layer.router.T
+        ids, weights = self.route(logits, self.ckpt.routing)
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.expert_tokens[layer.index] += counts
+        w0 = layer.ranks[0]
+        if x.shape[0] * self.num_experts * (w0.fc[0].numel() + w0.proj[0].numel()) \
+                <= DENSE_LIMIT:
+            return self._moe_dense(x, layer, ids, weights)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // ids.shape[1]
+        weight_of = weights.reshape(-1)[order]
+        offsets = [0, *torch.cumsum(counts, 0).tolist()]
+        out = torch.zeros_like(x)
+        for w in layer.ranks:
+            for local, expert in enumerate(w.experts):
+                start, stop = offsets[expert], offsets[expert + 1]
+                if start == stop:
+                    continue
+                idx = token_of[start:stop]
+                up, gate = (w.quant("fc", x[idx]) @ w.fc[local].T).chunk(2, dim=-1)
+                y = w.quant("proj", F.silu(gate) * up) @ w.proj[local].T
+                out.index_add_(0, idx, y * weight_of[start:stop, None])
+            self._shared_expert(x, layer, w, out)
+        return out
+
+    def _moe_dense(self, x, layer: Layer, ids, weights) -> torch.Tensor:
+        """Every local expert on every token in two matmuls; unselected experts get weight 0
+        (same result as the loop; far fewer operations when the layer is small)."""
+        dense = torch.zeros(x.shape[0], self.num_experts).scatter_(1, ids, weights)
+        out = torch.zeros_like(x)
+        for w in layer.ranks:
+            e_loc, inter = w.fc.shape[0], w.fc.shape[1] // 2
+            y = (w.quant("fc", x) @ w.fc_flat.T).view(-1, e_loc, 2, inter)
+            act = w.quant("proj", F.silu(y[:, :, 1]) * y[:, :, 0])
+            act = act * dense[:, w.experts.start:w.experts.stop, None]
+            out += act.reshape(x.shape[0], -1) @ w.proj_flat
+            self._shared_expert(x, layer, w, out)
+        return out
+
+    @staticmethod
+    def _shared_expert(x, layer: Layer, w: RankLayer, out: torch.Tensor) -> None:
+        if w.shared_fc is not None:
+            up, gate = (w.quant("shared_fc", x) @ w.shared_fc.T).chunk(2, dim=-1)
+            shared = w.quant("shared_proj", F.silu(gate) * up) @ w.shared_proj.T
+            out += torch.sigmoid(x @ layer.shared_gate.T) * shared

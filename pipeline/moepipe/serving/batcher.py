@@ -1,0 +1,173 @@
+"""In-flight batching over the reference runtime.
+
+Requests join and leave the running batch between steps: each step prefills the newly admitted
+requests (ragged, in one packed forward) and advances every running request by one token
+(one batched decode). Each request owns a KV-cache slot for its lifetime.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from moepipe.runtime.model import Batch, KVCache, ReferenceModel
+from moepipe.runtime.sampling import sample
+from moepipe.serving.request import GenerationRequest, RequestError
+
+log = logging.getLogger("moepipe")
+# Cancellation may be a call into the server: asked every few steps, not every step.
+CANCEL_CHECK_STEPS = 4
+
+
+class Batcher:
+    def __init__(self, model: ReferenceModel, max_batch_size: int, max_seq_len: int,
+                 max_input_len: int | None = None,
+                 on_step: Callable[[ReferenceModel, bool], None] | None = None):
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.max_input_len = max_input_len or max_seq_len
+        self.cache = KVCache(model, max_batch_size, max_seq_len)
+        self.on_step = on_step
+        self._incoming: queue.Queue[GenerationRequest | None] = queue.Queue()
+        self._waiting: list[GenerationRequest] = []
+        self._running: list[GenerationRequest] = []
+        self._free = list(range(max_batch_size))
+        self._generators: dict[int, torch.Generator] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.stats = {"sequences": 0, "prefills": 0, "forward_s": 0.0}
+
+    # -- public, thread-safe -------------------------------------------------------------
+    def submit(self, req: GenerationRequest) -> None:
+        """Queue a request; validation errors are raised here, in the caller's thread."""
+        req.validate(self.model.vocab_size, self.max_input_len, self.max_seq_len)
+        self._incoming.put(req)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="moepipe-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._incoming.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for req in self._waiting + self._running:
+            req.on_error("the server is shutting down")
+
+    @property
+    def active(self) -> int:
+        return len(self._running)
+
+    # -- engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            block = not self._running and not self._waiting
+            self._drain(block)
+            if self._stop.is_set():
+                break
+            try:
+                self.step()
+            except Exception as e:  # a bug: fail the batch, keep serving
+                log.exception("engine step failed")
+                for req in self._running + self._waiting:
+                    self._fail(req, f"internal error: {e}")
+                self._running, self._waiting = [], []
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._incoming.get(timeout=0.5) if block else self._incoming.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            self._waiting.append(item)
+            try:
+                item = self._incoming.get_nowait()
+            except queue.Empty:
+                break
+
+    def step(self) -> None:
+        """Admit what fits, prefill it, then decode one token for every running request."""
+        if self.steps % CANCEL_CHECK_STEPS == 0:
+            self._drop_cancelled()
+        admitted = []
+        while self._waiting and self._free:
+            req = self._waiting.pop(0)
+            req.slot = self._free.pop(0)
+            self._generators[req.slot] = torch.Generator().manual_seed(req.sampling.seed)
+            admitted.append(req)
+        decoding = list(self._running)
+        batch = admitted + decoding  # prompts (prefill) and last tokens (decode), one forward
+        if batch:
+            tokens = [t for r in admitted for t in r.prompt] + [r.generated[-1] for r in decoding]
+            self.stats["sequences"] += len(batch)
+            self.stats["prefills"] += len(admitted)
+            started = time.perf_counter()
+            logits = self.model.forward(
+                Batch(torch.tensor(tokens),
+                      [len(r.prompt) for r in admitted] + [1] * len(decoding),
+                      [0] * len(admitted) + [len(r.prompt) + len(r.generated) - 1
+                                             for r in decoding],
+                      [r.slot for r in batch]), self.cache)
+            self.stats["forward_s"] += time.perf_counter() - started
+            self._advance(batch, logits)
+            self._running.extend(r for r in admitted if r.slot >= 0)
+        self._running = [r for r in self._running if r.slot >= 0]
+        self.steps += 1
+        if self.on_step is not None:  # told whether the engine is now idle
+            self.on_step(self.model, not self._running and not self._waiting)
+
+    def _advance(self, reqs: list[GenerationRequest], logits: torch.Tensor) -> None:
+        greedy = logits.argmax(dim=-1).tolist()  # the common case, for the whole batch at once
+        for req, row, best in zip(reqs, logits, greedy, strict=True):
+            if req.plain_greedy:
+                token = best
+            else:
+                row = req.process_logits(row.clone())
+                token = sample(row, req.sampling, self._generators[req.slot])
+            req.generated.append(token)
+            if req.return_log_probs:
+                lp = torch.log_softmax(row.float(), dim=-1)[token].item()
+                req.log_probs.append(lp if math.isfinite(lp) else -1e30)
+            done = req.finished()
+            try:
+                if req.streaming:
+                    req.on_tokens([token], req.log_probs[-1:], done)
+                elif done:
+                    req.on_tokens(list(req.generated), list(req.log_probs), True)
+            except Exception:  # the client went away; the request ends
+                log.exception("sending a response failed")
+                done = True
+            if done:
+                self._release(req)
+
+    def _release(self, req: GenerationRequest) -> None:
+        if req.slot >= 0:
+            self._free.append(req.slot)
+            self._generators.pop(req.slot, None)
+            req.slot = -1
+
+    def _fail(self, req: GenerationRequest, message: str) -> None:
+        self._release(req)
+        try:
+            req.on_error(message)
+        except Exception:
+            log.exception("sending an error failed")
+
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self._running + self._waiting if r.is_cancelled()]:
+            self._fail(req, "the request was cancelled")
+            if req in self._waiting:
+                self._waiting.remove(req)
+        self._running = [r for r in self._running if r.slot >= 0]
+
+
+__all__ = ["Batcher", "GenerationRequest", "RequestError"]

@@ -1,0 +1,330 @@
+"""Stage ``convert``: Hugging Face checkpoint -> TensorRT-LLM checkpoint (tp/pp/moe_tp/moe_ep).
+
+The conversion is planned completely before a byte is written: every output tensor of every
+rank, its shape and dtype, and the HF tensors it reads. Planning validates the checkpoint
+(missing tensors, wrong shapes, unmapped tensors, impossible splits). Writing then streams: each
+rank file's header is written first and tensor data follows expert by expert, so resident memory
+stays around one expert slice, not a layer and never the model. The output appears atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moepipe import __version__
+from moepipe.arch.family import Family
+from moepipe.arch.rules import ExpertsDown, ExpertsGatedPair, RankContext, Rule, SliceRef, Zeros
+from moepipe.arch.spec import ModelSpec
+from moepipe.checkpoints.hf import HFCheckpoint, open_hf_checkpoint
+from moepipe.checkpoints.st_io import (
+    BF16,
+    F16,
+    F32,
+    BufferPool,
+    CheckpointReader,
+    DType,
+    SafetensorsWriter,
+    convert_bytes,
+    sha256_file,
+)
+from moepipe.errors import CheckpointError, ConfigError
+from moepipe.quant.trtllm import QuantInfo, quantized_rules
+from moepipe.trtllm.checkpoint_config import build_config
+from moepipe.trtllm.mapping import Mapping, check_mapping
+from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
+from moepipe.utils.fs import atomic_dir
+
+log = logging.getLogger("moepipe")
+
+DTYPES = {"float32": F32, "float16": F16, "bfloat16": BF16}
+MANIFEST = "moepipe-manifest.json"
+# Streaming block: small enough to stay in CPU cache between read, hash and write.
+BLOCK_BYTES = 1 << 20
+
+
+class AliasReader:
+    """A reader that also finds a tensor under the family's alternative name."""
+
+    def __init__(self, reader, aliases: dict[str, str]):
+        self.reader = reader
+        self.aliases = aliases
+
+    def resolve(self, name: str) -> str:
+        if not self.reader.has(name) and name in self.aliases:
+            return self.aliases[name]
+        return name
+
+    def has(self, name: str) -> bool:
+        return self.reader.has(self.resolve(name))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.reader.shape(self.resolve(name))
+
+    def ref(self, name: str, index: tuple = ()) -> SliceRef:
+        return SliceRef(self.resolve(name), index)
+
+    def read(self, name: str, index: tuple = ()):
+        """A computed chunk's input (torch): quantized checkpoints need arithmetic."""
+        return self.reader.read(self.resolve(name), index)
+
+
+@dataclass
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    rule: Rule
+    ctx: RankContext
+
+
+@dataclass
+class Plan:
+    family: Family
+    spec: ModelSpec
+    mapping: Mapping
+    dtype: str
+    ranks: list[list[PlannedTensor]]
+    sources: set[str] = field(default_factory=set)
+    quant: QuantInfo | None = None
+
+    def rank_bytes(self, rank: int) -> int:
+        return sum(t.dtype.itemsize * _numel(t.shape) for t in self.ranks[rank])
+
+    def config(self) -> dict:
+        block = self.quant.block() if self.quant is not None else None
+        return build_config(self.family, self.spec, self.mapping, self.dtype, block)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _aliases(family: Family, spec: ModelSpec) -> dict[str, str]:
+    out = {}
+    for orig, alt in family.source_aliases.items():
+        for layer in range(spec.num_layers):
+            out[orig.format(layer=layer)] = alt.format(layer=layer)
+    return out
+
+
+def plan_conversion(family: Family, spec: ModelSpec, mapping: Mapping, dtype: str,
+                    reader, quant: QuantInfo | None = None) -> Plan:
+    """Plan every rank's tensors and validate the source checkpoint against the plan.
+
+    ``reader`` only needs ``has`` and ``shape`` (so a shape-only reader of a meta-device model
+    plans full-size models without weights).
+    """
+    check_mapping(spec, mapping)
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype '{dtype}' is not supported",
+                          f"choose one of {', '.join(DTYPES)}")
+    reader = AliasReader(reader, _aliases(family, spec))
+    out_dtype = DTYPES[dtype]
+    ranks: list[list[PlannedTensor]] = []
+    sources: set[str] = set()
+    expected: dict[str, tuple[int, ...]] = {}
+    for rank in range(mapping.world_size):
+        tensors = []
+        layers = mapping.pp_layers(spec.num_layers, rank)
+        for layer in layers:
+            ctx = RankContext(spec, mapping, rank, layer, out_dtype)
+            for suffix, rule in family.layer_rules.items():
+                if not rule.enabled(spec):
+                    continue
+                rules = {suffix: rule} if quant is None else quantized_rules(
+                    suffix, rule, reader, ctx, quant, out_dtype, family.layer_rules)
+                for sfx, r in rules.items():
+                    name = f"transformer.layers.{layer - layers.start}.{sfx}"
+                    tensors.append(_plan_one(name, r, ctx, reader, sources, expected))
+        ctx = RankContext(spec, mapping, rank, None, out_dtype)
+        for name, (stage, rule) in family.model_rules.items():
+            on_stage = (mapping.is_first_stage(rank) if stage == "first"
+                        else mapping.is_last_stage(rank))
+            if on_stage and rule.enabled(spec):
+                tensors.append(_plan_one(name, rule, ctx, reader, sources, expected))
+        ranks.append(tensors)
+    _validate_sources(reader, expected)
+    return Plan(family, spec, mapping, dtype, ranks, {reader.resolve(s) for s in sources}, quant)
+
+
+def _plan_one(name, rule, ctx, reader, sources, expected) -> PlannedTensor:
+    srcs = rule.sources(ctx, reader)
+    sources.update(srcs)
+    shapes = dict(rule.source_shapes(ctx))
+    if isinstance(rule, (ExpertsGatedPair, ExpertsDown)):
+        shapes.update(rule.expert_shapes(ctx, reader))
+    expected.update(shapes)
+    return PlannedTensor(name, rule.shape(ctx), rule.out_dtype(ctx), rule, ctx)
+
+
+def _validate_sources(reader: AliasReader, expected: dict[str, tuple[int, ...]]) -> None:
+    missing = [n for n in expected if not reader.has(n)]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CheckpointError(f"checkpoint is missing tensor(s) {', '.join(missing[:3])}{more}",
+                              "the checkpoint is incomplete or its config.json does not match "
+                              "its weights")
+    for name, shape in expected.items():
+        got = tuple(reader.shape(name))
+        if got != tuple(shape):
+            raise CheckpointError(f"tensor '{name}' has shape {list(got)} but config.json implies "
+                                  f"{list(shape)}",
+                                  "config.json and the weights disagree (wrong config?)")
+
+
+def unmapped_tensors(plan: Plan, names, family: Family) -> list[str]:
+    """HF tensors the plan neither reads nor explicitly drops."""
+    dropped = [re.compile(p) for p in family.dropped]
+    return sorted(n for n in names
+                  if n not in plan.sources and not any(p.match(n) for p in dropped))
+
+
+@dataclass
+class ConvertResult:
+    output: Path
+    plan: Plan
+    files: dict[str, str]
+    bytes_written: int
+    seconds: float
+
+
+def convert(model_dir: str | Path, output: str | Path, *, dtype: str = "auto", tp: int = 1,
+            pp: int = 1, moe_tp: int | None = None, moe_ep: int | None = None, workers: int = 1,
+            overwrite: bool = False) -> ConvertResult:
+    """Convert an HF checkpoint folder into a TensorRT-LLM checkpoint folder."""
+    ckpt = open_hf_checkpoint(model_dir)
+    mapping = Mapping.create(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep)
+    return convert_checkpoint(ckpt, Path(output), mapping, dtype=dtype, workers=workers,
+                              overwrite=overwrite)
+
+
+def convert_checkpoint(ckpt: HFCheckpoint, output: Path, mapping: Mapping, *, dtype: str = "auto",
+                       workers: int = 1, overwrite: bool = False,
+                       progress: Callable[[str], None] | None = None) -> ConvertResult:
+    """Convert into ``output``, which appears (atomically) only when complete."""
+    start = time.perf_counter()
+    with atomic_dir(output, overwrite) as tmp:
+        res = convert_into(ckpt, tmp, mapping, dtype=dtype, workers=workers, progress=progress)
+    res.output, res.seconds = output, time.perf_counter() - start
+    return res
+
+
+def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: str = "auto",
+                 workers: int = 1,
+                 progress: Callable[[str], None] | None = None) -> ConvertResult:
+    """Write the TensorRT-LLM checkpoint into the (empty, temporary) ``folder``."""
+    start = time.perf_counter()
+    if dtype == "auto":
+        dtype = ckpt.spec.torch_dtype
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    with ckpt.reader() as reader:
+        plan = plan_conversion(ckpt.family, ckpt.spec, mapping, dtype, reader, ckpt.quant)
+        extra = unmapped_tensors(plan, reader.tensors, ckpt.family)
+        if extra:
+            raise CheckpointError(
+                f"{len(extra)} tensor(s) in the checkpoint have no mapping, e.g. {extra[0]}",
+                f"the checkpoint has parts {ckpt.family.hf_architecture} does not define; "
+                "moepipe refuses to drop weights silently")
+        source_hashes: dict[str, str] = {}
+        hasher = threading.Thread(target=_hash_sources, args=(ckpt.path, source_hashes),
+                                  daemon=True)
+        hasher.start()
+        files: dict[str, str] = {}
+        (folder / "config.json").write_text(json.dumps(plan.config(), indent=4) + "\n")
+        alias = AliasReader(reader, _aliases(ckpt.family, ckpt.spec))
+        with ThreadPoolExecutor(max_workers=min(workers, mapping.world_size)) as pool:
+            digests = list(pool.map(lambda r: _write_rank(plan, r, alias, folder, progress),
+                                    range(mapping.world_size)))
+        files["config.json"] = sha256_file(folder / "config.json")
+        for rank, digest in enumerate(digests):
+            files[f"rank{rank}.safetensors"] = digest
+        hasher.join()
+        manifest = {
+            "kind": "trtllm-checkpoint",
+            "architecture": ckpt.family.trtllm_architecture,
+            "dtype": dtype,
+            "mapping": {"tp": mapping.tp, "pp": mapping.pp, "moe_tp": mapping.moe_tp,
+                        "moe_ep": mapping.moe_ep, "world_size": mapping.world_size},
+            "source": {"name": ckpt.path.resolve().name, "sha256": source_hashes},
+            "output": {"sha256": files},
+            "versions": {"moepipe": __version__, "trtllm_format": TRTLLM_ENGINE_VERSION},
+        }
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        written = sum(p.stat().st_size for p in folder.iterdir())
+    return ConvertResult(folder, plan, files, written, time.perf_counter() - start)
+
+
+def _hash_sources(folder: Path, out: dict[str, str]) -> None:
+    from moepipe.checkpoints.hashcache import file_sha256
+
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and (path.suffix in (".safetensors", ".json")):
+            out[path.name] = file_sha256(path)
+
+
+def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path,
+                progress: Callable[[str], None] | None = None) -> str:
+    tensors = plan.ranks[rank]
+    writer = SafetensorsWriter(folder / f"rank{rank}.safetensors",
+                               [(t.name, t.dtype, t.shape) for t in tensors])
+    pool = BufferPool(16, BLOCK_BYTES)
+    try:
+        for t in tensors:
+            for chunk in t.rule.chunks(t.ctx, reader):
+                _emit(writer, chunk, t.dtype, reader.reader, pool)
+        digest = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    log.info("rank %d: %d tensors written", rank, len(tensors))
+    if progress is not None:
+        progress(f"rank {rank}: {len(tensors)} tensors")
+    return digest
+
+
+def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointReader,
+          pool: BufferPool) -> None:
+    """Write one chunk. Contiguous source bytes are streamed through reusable block buffers
+    (and converted block by block when the dtype changes); other slices are read whole (at most
+    one expert matrix) and cut in memory."""
+    if isinstance(chunk, Zeros):
+        writer.write_zeros(chunk.rows * chunk.cols * dtype.itemsize)
+        return
+    if not isinstance(chunk, SliceRef):  # computed (torch) chunk of a quantized tensor
+        writer.write(chunk)
+        return
+    region = reader.region(chunk.name, chunk.index)
+    src = region.info.dtype
+    if region.cut is not None:  # a column slice: read the covering block, cut it in memory
+        import numpy as np
+
+        raw = np.empty(region.nbytes, dtype=np.uint8)
+        reader.read_bytes(region.info.file, region.offset, memoryview(raw))
+        unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[src.itemsize]
+        block = raw.view(unit).reshape(region.block_shape)[region.cut]
+        data = memoryview(np.ascontiguousarray(block)).cast("B")
+        writer.write_bytes(convert_bytes(data, src, dtype))
+        return
+    step = BLOCK_BYTES - BLOCK_BYTES % src.itemsize
+    for start in range(0, region.nbytes, step):
+        n = min(step, region.nbytes - start)
+        buf = pool.get()
+        view = memoryview(buf)[:n]
+        reader.read_bytes(region.info.file, region.offset + start, view)
+        if src == dtype:
+            writer.write_bytes(view, release=lambda b=buf: pool.put(b))
+        else:
+            writer.write_bytes(convert_bytes(view, src, dtype))
+            pool.put(buf)

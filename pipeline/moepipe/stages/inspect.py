@@ -1,0 +1,111 @@
+"""Stage ``inspect``: what a checkpoint is, how big, and which parallel mappings are legal."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moepipe.checkpoints.hf import open_hf_checkpoint
+from moepipe.checkpoints.st_io import CheckpointReader
+from moepipe.trtllm.mapping import legal_mappings
+
+
+@dataclass
+class Inspection:
+    path: Path
+    data: dict[str, Any]
+
+
+def inspect_checkpoint(path: str | Path, max_world_size: int = 8) -> Inspection:
+    ckpt = open_hf_checkpoint(path)
+    spec, family = ckpt.spec, ckpt.family
+    with CheckpointReader(ckpt.path) as reader:
+        total = 0
+        by_dtype: Counter[str] = Counter()
+        for info in reader.tensors.values():
+            numel = info.nbytes // info.dtype.itemsize
+            total += numel
+            by_dtype[str(info.dtype).removeprefix("torch.")] += info.nbytes
+    per_expert = 3 * spec.expert_intermediate_size * spec.hidden_size
+    inactive = spec.num_layers * (spec.num_experts - spec.top_k) * per_expert
+    mode = family.normalization_mode(spec)
+    data = {
+        "path": str(ckpt.path),
+        "architecture": spec.architecture,
+        "family": family.description,
+        "layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "attention_heads": spec.num_heads,
+        "kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "experts": spec.num_experts,
+        "top_k": spec.top_k,
+        "expert_intermediate_size": spec.expert_intermediate_size,
+        "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
+        "routing": {0: "softmax -> top-k (NONE)", 1: "top-k -> softmax (RENORMALIZE)"}[mode],
+        "dtype": spec.torch_dtype,
+        "parameters": {"total": total, "active_per_token": total - inactive},
+        "bytes_by_dtype": dict(sorted(by_dtype.items())),
+        "bytes_total": sum(by_dtype.values()),
+        "largest_layer_bytes": _largest_layer_bytes(reader),
+        "legal_mappings": [
+            {"tp": m.tp, "pp": m.pp, "moe_tp": m.moe_tp, "moe_ep": m.moe_ep,
+             "world_size": m.world_size}
+            for m in legal_mappings(spec, max_world_size)],
+    }
+    return Inspection(ckpt.path, data)
+
+
+def _largest_layer_bytes(reader: CheckpointReader) -> int:
+    sizes: Counter[str] = Counter()
+    for name, info in reader.tensors.items():
+        parts = name.split(".")
+        key = ".".join(parts[:3]) if "layers" in parts else name
+        sizes[key] += info.nbytes
+    return max(sizes.values()) if sizes else 0
+
+
+def format_inspection(data: dict[str, Any]) -> str:
+    p = data["parameters"]
+    lines = [
+        f"{data['architecture']}  ({data['family']})",
+        f"  path            {data['path']}",
+        f"  layers          {data['layers']}  hidden {data['hidden_size']}  heads "
+        f"{data['attention_heads']} (kv {data['kv_heads']}, head_dim {data['head_dim']})  vocab "
+        f"{data['vocab_size']}",
+        f"  experts         {data['experts']} routed, top-{data['top_k']}, expert FFN "
+        f"{data['expert_intermediate_size']}"
+        + (f", shared expert FFN {data['shared_expert_intermediate_size']}"
+           if data["shared_expert_intermediate_size"] else ", no shared expert"),
+        f"  routing         {data['routing']}",
+        f"  parameters      {_human(p['total'])} total, {_human(p['active_per_token'])} active "
+        "per token",
+        "  weights         " + ", ".join(f"{k} {_bytes(v)}" for k, v in
+                                         data["bytes_by_dtype"].items())
+        + f" (largest layer {_bytes(data['largest_layer_bytes'])})",
+        "  legal mappings  (tp, pp, moe_tp, moe_ep)",
+    ]
+    by_world: dict[int, list[str]] = {}
+    for m in data["legal_mappings"]:
+        by_world.setdefault(m["world_size"], []).append(
+            f"({m['tp']},{m['pp']},{m['moe_tp']},{m['moe_ep']})")
+    for world, maps in sorted(by_world.items()):
+        lines.append(f"    {world} GPU{'s' if world > 1 else ' '}  " + " ".join(maps))
+    return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _bytes(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"

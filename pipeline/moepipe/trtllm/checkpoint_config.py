@@ -1,0 +1,76 @@
+"""The ``config.json`` of a TensorRT-LLM checkpoint, as the pinned 1.2.x release reads it.
+
+``PretrainedConfig``, ``MoeConfig``, ``QuantConfig`` and ``Mapping`` are rebuilt with
+``cls(**dict)`` in TensorRT-LLM, so only keys that release knows are written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moepipe import __version__
+from moepipe.arch.family import Family, Literal
+from moepipe.arch.spec import ModelSpec
+from moepipe.trtllm.mapping import Mapping
+
+NORMALIZATION_MODES = {0: "NONE", 1: "RENORMALIZE", 2: "SPARSE_MIXER", 3: "DEVICE_LIMITED",
+                       4: "DEVICE_LIMITED_RENORM"}
+
+
+def quant_block(quant_algo: str | None = None, kv_cache_quant_algo: str | None = None,
+                **extra: Any) -> dict[str, Any]:
+    block = {
+        "quant_algo": quant_algo,
+        "kv_cache_quant_algo": kv_cache_quant_algo,
+        "group_size": 128,
+        "smoothquant_val": 0.5,
+        "clamp_val": None,
+        "use_meta_recipe": False,
+        "has_zero_point": False,
+        "pre_quant_scale": False,
+        "exclude_modules": None,
+    }
+    block.update(extra)
+    return block
+
+
+def build_config(family: Family, spec: ModelSpec, mapping: Mapping, dtype: str,
+                 quantization: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architecture": family.trtllm_architecture,
+        "dtype": dtype,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "hidden_act": "swiglu",
+        "logits_dtype": "float32",
+        "norm_epsilon": spec.rms_norm_eps,
+        "runtime_defaults": None,
+        "position_embedding_type": "rope_gpt_neox",
+        "num_key_value_heads": spec.num_kv_heads,
+        "intermediate_size": spec.dense_intermediate_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "mapping": mapping.to_trtllm(),
+        "quantization": quantization or quant_block(),
+        "use_parallel_embedding": False,
+        "embedding_sharding_dim": 0,
+        "head_size": spec.head_dim,
+        "qk_layernorm": "attention.q_layernorm.weight" in family.layer_rules,
+        "rotary_embedding_dim": spec.head_dim,
+    }
+    for key, source in family.trtllm_fields.items():
+        cfg[key] = source.value if isinstance(source, Literal) else getattr(spec, source)
+    cfg["moe"] = {
+        "num_experts": spec.num_experts,
+        "shared_expert_intermediate_size": 0,
+        "top_k": spec.top_k,
+        "normalization_mode": family.normalization_mode(spec),
+        "sparse_mixer_epsilon": 0.01,
+        "tp_mode": 0,
+        "device_limited_n_group": 0,
+        "device_limited_topk_group": 0,
+        "device_limited_routed_scaling_factor": 1.0,
+    }
+    cfg["producer"] = {"name": "moepipe", "version": __version__}
+    return cfg

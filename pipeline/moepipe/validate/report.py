@@ -1,0 +1,103 @@
+"""Validation results: cases grouped by job, written as JSON and JUnit XML."""
+
+from __future__ import annotations
+
+import json
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from moepipe.utils.fs import write_text_atomic
+
+
+@dataclass
+class Case:
+    name: str
+    status: str  # passed | failed | error | skipped
+    seconds: float
+    message: str = ""
+    details: dict = field(default_factory=dict)
+
+
+@dataclass
+class JobResult:
+    job: str
+    cases: list[Case] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.status in ("passed", "skipped") for c in self.cases)
+
+    def run(self, name: str, fn: Callable[[], dict | None]) -> Case:
+        """Run one check: returning details passes, AssertionError fails, other errors err."""
+        start = time.perf_counter()
+        try:
+            details = fn() or {}
+            case = Case(name, "passed", 0.0, details=details)
+        except Skip as e:
+            case = Case(name, "skipped", 0.0, str(e))
+        except AssertionError as e:
+            case = Case(name, "failed", 0.0, str(e) or "assertion failed")
+        except Exception as e:  # the endpoint misbehaved or is unreachable
+            case = Case(name, "error", 0.0, f"{type(e).__name__}: {e}")
+        case.seconds = round(time.perf_counter() - start, 4)
+        self.cases.append(case)
+        return case
+
+
+class Skip(Exception):
+    """A check that does not apply to this deployment."""
+
+
+@dataclass
+class Report:
+    target: str
+    endpoint: dict
+    jobs: list[JobResult] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    @property
+    def passed(self) -> bool:
+        return all(j.passed for j in self.jobs)
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "target": self.target, "endpoint": self.endpoint,
+                "started": self.started,
+                "jobs": [{"job": j.job, "passed": j.passed,
+                          "cases": [asdict(c) for c in j.cases]} for j in self.jobs]}
+
+    def junit(self) -> str:
+        root = ET.Element("testsuites", name="moepipe validate")
+        totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+        for job in self.jobs:
+            counts = {"tests": len(job.cases),
+                      "failures": sum(c.status == "failed" for c in job.cases),
+                      "errors": sum(c.status == "error" for c in job.cases),
+                      "skipped": sum(c.status == "skipped" for c in job.cases)}
+            suite = ET.SubElement(root, "testsuite", name=job.job,
+                                  time=f"{sum(c.seconds for c in job.cases):.3f}",
+                                  **{k: str(v) for k, v in counts.items()})
+            for k, v in counts.items():
+                totals[k] += v
+            for c in job.cases:
+                tc = ET.SubElement(suite, "testcase", classname=f"moepipe.validate.{job.job}",
+                                   name=c.name, time=f"{c.seconds:.3f}")
+                if c.status == "failed":
+                    ET.SubElement(tc, "failure", message=c.message).text = c.message
+                elif c.status == "error":
+                    ET.SubElement(tc, "error", message=c.message).text = c.message
+                elif c.status == "skipped":
+                    ET.SubElement(tc, "skipped", message=c.message)
+        for k, v in totals.items():
+            root.set(k, str(v))
+        ET.indent(root)
+        return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+    def write(self, folder: Path) -> tuple[Path, Path]:
+        folder.mkdir(parents=True, exist_ok=True)
+        js, xml = folder / "validate.json", folder / "validate.junit.xml"
+        write_text_atomic(js, json.dumps(self.to_dict(), indent=2) + "\n")
+        write_text_atomic(xml, self.junit())
+        return js, xml

@@ -1,0 +1,145 @@
+"""The in-flight batching engine: batching never changes results, and the request options
+(streaming, stop/bad words, min_tokens, penalties, seeds, cancellation) do what they say."""
+
+import threading
+
+import pytest
+import torch
+
+from moepipe.runtime import model as runtime_model
+from moepipe.runtime.checkpoint import load_checkpoint
+from moepipe.runtime.generate import generate
+from moepipe.runtime.model import Batch, ReferenceModel
+from moepipe.runtime.sampling import SamplingParams
+from moepipe.serving.batcher import Batcher
+from moepipe.serving.request import GenerationRequest, RequestError
+from moepipe.stages.convert import convert
+
+PROMPTS = [[54, 260, 402, 305, 77], [7, 300, 33, 41, 120, 9, 256, 12, 99], [3], [400] * 20]
+
+
+@pytest.fixture(scope="module")
+def model(examples, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine") / "ckpt"
+    convert(examples["tiny-qwen2-moe"], out, tp=2, moe_ep=2)
+    return ReferenceModel(load_checkpoint(out))
+
+
+class Sink:
+    def __init__(self):
+        self.tokens, self.finals, self.error = [], [], None
+        self.done = threading.Event()
+
+    def on_tokens(self, tokens, log_probs, final):
+        self.tokens += tokens
+        self.finals.append(final)
+        if final:
+            self.done.set()
+
+    def on_error(self, message):
+        self.error = message
+        self.done.set()
+
+
+def run(engine, **kw):
+    sink = Sink()
+    engine.submit(GenerationRequest(on_tokens=sink.on_tokens, on_error=sink.on_error, **kw))
+    return sink
+
+
+@pytest.fixture
+def engine(model):
+    e = Batcher(model, max_batch_size=3, max_seq_len=64, max_input_len=32)
+    e.start()
+    yield e
+    e.stop()
+
+
+def test_concurrent_requests_get_what_they_would_alone(engine, model):
+    sinks = [run(engine, prompt=p, max_new_tokens=4 + i, end_id=1)
+             for i, p in enumerate(PROMPTS * 2)]  # more requests than slots: some wait
+    for s in sinks:
+        assert s.done.wait(30) and s.error is None
+    for i, (p, s) in enumerate(zip(PROMPTS * 2, sinks, strict=True)):
+        assert s.tokens == generate(model, [p], 4 + i, end_id=1)[0]
+
+
+def test_streaming_sends_each_token_and_one_final(engine, model):
+    s = run(engine, prompt=PROMPTS[1], max_new_tokens=6, streaming=True)
+    assert s.done.wait(30)
+    assert s.finals == [False] * 5 + [True]
+    assert s.tokens == generate(model, [PROMPTS[1]], 6)[0]
+
+
+def test_stop_words_min_tokens_and_bad_words(engine, model):
+    ref = generate(model, [PROMPTS[0]], 8)[0]
+    stop = run(engine, prompt=PROMPTS[0], max_new_tokens=8, stop_words=[ref[2:4]])
+    assert stop.done.wait(30) and stop.tokens == ref[:4]
+    eos = ref[1]  # pretend the 2nd token is the end id
+    early = run(engine, prompt=PROMPTS[0], max_new_tokens=8, end_id=eos)
+    held = run(engine, prompt=PROMPTS[0], max_new_tokens=8, end_id=eos, min_tokens=4)
+    banned = run(engine, prompt=PROMPTS[0], max_new_tokens=8, bad_words=[[ref[0]]])
+    for s in (early, held, banned):
+        assert s.done.wait(30)
+    assert early.tokens == ref[:2]
+    assert len(held.tokens) >= 4 and eos not in held.tokens[:3]
+    assert banned.tokens[0] != ref[0]
+
+
+def test_penalties_change_the_distribution(engine, model):
+    plain = run(engine, prompt=[400] * 20, max_new_tokens=6)
+    rep = run(engine, prompt=[400] * 20, max_new_tokens=6, repetition_penalty=100.0,
+              presence_penalty=5.0, frequency_penalty=5.0)
+    for s in (plain, rep):
+        assert s.done.wait(30)
+    assert len(set(rep.tokens)) == len(rep.tokens)  # heavy penalties forbid repeats
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = dict(prompt=PROMPTS[1], max_new_tokens=10)
+    a = run(engine, sampling=SamplingParams(temperature=2.0, top_k=100, seed=5), **params)
+    b = run(engine, sampling=SamplingParams(temperature=2.0, top_k=100, seed=5), **params)
+    c = run(engine, sampling=SamplingParams(temperature=2.0, top_k=100, seed=6), **params)
+    for s in (a, b, c):
+        assert s.done.wait(30)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+
+
+def test_cancelled_request_frees_its_slot(engine):
+    flag = threading.Event()
+    s = Sink()
+    engine.submit(GenerationRequest(prompt=PROMPTS[0], max_new_tokens=50,
+                                    on_tokens=s.on_tokens, on_error=s.on_error,
+                                    streaming=True, is_cancelled=flag.is_set))
+    flag.set()
+    assert s.done.wait(30) and s.error == "the request was cancelled"
+    after = [run(engine, prompt=p, max_new_tokens=3) for p in PROMPTS[:3]]
+    assert all(x.done.wait(30) and x.error is None for x in after)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(prompt=[], max_new_tokens=4), "prompt is empty"),
+    (dict(prompt=[1], max_new_tokens=0), "max_tokens must be >= 1"),
+    (dict(prompt=[1] * 33, max_new_tokens=1), "max_input_len=32"),
+    (dict(prompt=[1] * 30, max_new_tokens=40), "exceeds max_seq_len=64"),
+    (dict(prompt=[99999], max_new_tokens=1), "outside the vocabulary"),
+])
+def test_invalid_requests_are_refused(engine, kw, match):
+    with pytest.raises(RequestError, match=match):
+        engine.submit(GenerationRequest(**kw))
+
+
+def test_expert_loop_path_matches_dense_path(model, hf_models):
+    """The runtime picks a dense MoE for small work and a per-expert loop for large; both
+    must give transformers' logits."""
+    ids = PROMPTS[1]
+    with torch.no_grad():
+        ref = hf_models["tiny-qwen2-moe"](torch.tensor([ids])).logits[0]
+    dense = model.forward(Batch.single(ids), all_logits=True)
+    limit = runtime_model.DENSE_LIMIT
+    runtime_model.DENSE_LIMIT = 0
+    try:
+        loop = model.forward(Batch.single(ids), all_logits=True)
+    finally:
+        runtime_model.DENSE_LIMIT = limit
+    assert (dense - ref).abs().max() <= 1e-4 and (loop - ref).abs().max() <= 1e-4
