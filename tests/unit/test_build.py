@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from moepipe.commands.build import read_manifest, run_build
+from moepipe.commands.build import MANIFEST, run_build
 from moepipe.config import load_config
 from moepipe.errors import MoepipeError
 
@@ -46,7 +46,7 @@ def test_rebuild_with_nothing_changed_does_no_work(tmp_path):
     for a, b in zip(first["stages"], second["stages"], strict=True):
         assert a["fingerprint"] == b["fingerprint"] and a["sha256"] == b["sha256"]
     # The manifest: config, fingerprints, outputs with sha256, tool versions, timings.
-    m = read_manifest(load_config(path))
+    m = json.loads((load_config(path).workdir / MANIFEST).read_text())
     assert m["config"]["parallel"]["tp"] == 2 and m["finished"] is not None
     convert = next(s for s in m["stages"] if s["stage"] == "convert")
     assert len(convert["sha256"]["rank0.safetensors"]) == 64 and "seconds" in convert
@@ -132,10 +132,10 @@ def test_absurd_engine_limits_are_refused_before_any_work(tmp_path):
 
 
 def test_host_memory_preflight_stops_with_the_estimate(tmp_path, monkeypatch):
-    import moepipe.preflight
+    import moepipe.commands.build
 
     path = write_config(tmp_path)
-    monkeypatch.setattr(moepipe.preflight, "available_memory", lambda: 64 << 20)
+    monkeypatch.setattr(moepipe.commands.build, "available_memory", lambda: 64 << 20)
     with pytest.raises(MoepipeError, match=r"convert needs about 0\.\d GiB of host memory; "
                                            r"only 0\.1 GiB is available") as e:
         build(path)

@@ -20,7 +20,8 @@ import yaml
 
 from moepipe.config import parse_config
 from moepipe.deploy.render import check_repository
-from moepipe.deploy.repository import Artifacts, render_deployment
+from moepipe.deploy.repository import render_deployment
+from moepipe.deploy.targets import Artifacts
 from moepipe.errors import ConfigError, MappingError
 from moepipe.stages.convert import convert
 from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
@@ -46,7 +47,7 @@ def render(target, model, ckpt, root, art_extra=None, **deploy):
                         "deploy": deploy})
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
     art = Artifacts(model_dir=model, checkpoint_dir=ckpt, vocab_size=vocab,
-                    world_size=WORLD_SIZE, **(art_extra or {}))
+                    **(art_extra or {}))
     render_deployment(cfg, art)
     return cfg.deploy_dir, cfg
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from moepipe.arch.spec import ModelSpec
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.errors import CheckpointError, UnsupportedError
 from moepipe.quant.trtllm import QuantInfo
+from moepipe.utils.fs import read_json
 
 
 @dataclass
@@ -25,18 +25,6 @@ class HFCheckpoint:
 
     def reader(self) -> CheckpointReader:
         return CheckpointReader(self.path)
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found", f"{what} must contain it") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})", "the file is corrupt") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
 
 
 def open_hf_checkpoint(path: str | Path) -> HFCheckpoint:

@@ -24,8 +24,8 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -33,14 +33,13 @@ from typing import Any
 from moepipe import __version__
 from moepipe.config import MoepipeConfig, load_config
 from moepipe.errors import MoepipeError
+from moepipe.stages.base import BuildContext, Echo, Stage, fault_point
+from moepipe.stages.registry import STAGES
 from moepipe.utils.fs import atomic_dir, write_text_atomic
+from moepipe.utils.memory import available_memory
 
 MANIFEST = "build-manifest.json"
 STAGE_FILE = "moepipe-stage.json"
-# Links in the workdir to the current output of a stage.
-LINKS = {"source": "model", "quantize": "quantized", "convert": "checkpoint", "engine": "engine"}
-
-Echo = Callable[[str], None]
 log = logging.getLogger("moepipe.commands.build")
 
 
@@ -56,51 +55,15 @@ def live_status(enabled: bool, first: str) -> Iterator[Echo]:
         yield lambda text: status.update(f"{first}: {text}")
 
 
-@dataclass
-class BuildContext:
-    cfg: MoepipeConfig
-    echo: Echo
-    outputs: dict[str, Path] = field(default_factory=dict)
-    fingerprints: dict[str, str] = field(default_factory=dict)
-    details: dict[str, dict] = field(default_factory=dict)
-    status: Echo = field(default=lambda text: None)  # the live progress line of the stage
-    stage: str = ""  # the stage running now
-
-    steps: int = 0
-
-    def step(self, text: str) -> None:
-        """Progress inside a stage (a shard, a layer, a batch): the live line on a terminal,
-        a log record (``-v``) otherwise."""
-        log.info("%s", text)
-        self.status(text)
-        self.steps += 1
-        _fault_point(f"{self.stage}@{self.steps}")
-
-    def output(self, stage: str) -> Path:
-        return self.outputs[stage]
-
-    @property
-    def model_dir(self) -> Path:
-        """The checkpoint the model stages read: quantized when the config asks for it."""
-        return self.outputs.get("quantize") or self.outputs["source"]
-
-
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    version: int
-    applies: Callable[[MoepipeConfig], bool]
-    settings: Callable[[MoepipeConfig], dict[str, Any]]  # config values its output depends on
-    inputs: tuple[str, ...]  # stages it reads (their fingerprints are part of its own)
-    tools: tuple[str, ...]  # distributions whose versions shape its output
-    run: Callable[[BuildContext, Path], dict[str, Any]]  # writes into the given folder
-    estimate: Callable[[BuildContext], dict[str, Any]] | None = None  # plan: memory, command
-    memory: Callable[[BuildContext], int] | None = None  # peak host bytes (pre-flight)
-    memory_hint: str = "use a machine with more memory"
-    # Checks of the machine and the config made before the build runs any stage (fail fast).
-    preflight: Callable[[BuildContext], None] | None = None
-    # Gates on a finished stage's details, applied whenever a build or deploy reads it.
-    check: Callable[[MoepipeConfig, dict[str, Any]], None] | None = None
+def check_host_memory(ctx: BuildContext, stage: Stage) -> None:
+    """Refuse to start ``stage`` when its estimated peak exceeds the available memory."""
+    if stage.memory is None:
+        return
+    need, have = stage.memory(ctx), available_memory()
+    if need > have:
+        raise MoepipeError(
+            f"{stage.name} needs about {need / 2**30:.1f} GiB of host memory; only "
+            f"{have / 2**30:.1f} GiB is available", stage.memory_hint)
 
 
 def _tool_versions(names: tuple[str, ...]) -> dict[str, str]:
@@ -127,16 +90,6 @@ def fingerprint(stage: Stage, cfg: MoepipeConfig, upstream: dict[str, str],
             "inputs": {n: upstream[n] for n in stage.inputs if n in upstream},
             "tools": _tool_versions(stage.tools), **(extra or {})}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def source_digest(path: Path) -> dict[str, str]:
-    """sha256 of every file of a user's checkpoint folder (remembered by stat signature)."""
-    from moepipe.checkpoints.hashcache import file_sha256
-
-    if not path.is_dir():
-        raise MoepipeError(f"{path}: no such directory",
-                           "model.path must be a Hugging Face checkpoint folder")
-    return {p.name: file_sha256(p) for p in sorted(path.iterdir()) if p.is_file()}
 
 
 def artifact_dir(cfg: MoepipeConfig, stage: str, fp: str) -> Path:
@@ -167,8 +120,6 @@ def plan(cfg: MoepipeConfig, force: tuple[str, ...] = (),
          until: str | None = None) -> list[PlanEntry]:
     """Fingerprints and cache state of every stage the config needs, up to ``until``
     (no side effects)."""
-    from moepipe.stages.registry import STAGES
-
     names = [s.name for s in STAGES]
     unknown = sorted((set(force) | ({until} if until else set())) - set(names))
     if unknown:
@@ -179,13 +130,12 @@ def plan(cfg: MoepipeConfig, force: tuple[str, ...] = (),
     for stage in STAGES:
         if not stage.applies(cfg):
             continue
-        extra = None
-        if stage.name == "source" and cfg.model.path is not None:
-            extra = {"files": source_digest(cfg.model.path)}
+        extra = stage.external(cfg) if stage.external is not None else None
         fp = fingerprint(stage, cfg, fps, extra)
         fps[stage.name] = fp
-        if stage.name == "source" and cfg.model.path is not None:
-            out, cached = cfg.model.path, True  # the user's folder is used in place
+        in_place = stage.in_place(cfg) if stage.in_place is not None else None
+        if in_place is not None:
+            out, cached = in_place, True  # the user's folder is used in place
         else:
             out = artifact_dir(cfg, stage.name, fp)
             cached = _complete(out, fp)
@@ -216,17 +166,20 @@ def _clean_partials(cfg: MoepipeConfig) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _link(cfg: MoepipeConfig, stage: str, target: Path) -> None:
-    name = LINKS.get(stage)
-    if name is None:
+def _link(cfg: MoepipeConfig, stage: Stage, target: Path) -> None:
+    """Point ``<workdir>/<stage.link>`` at the stage's current output (atomically)."""
+    if stage.link is None:
         return
-    link = cfg.workdir / name
-    tmp = cfg.workdir / f".{name}.link-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(target)
+    link = cfg.workdir / stage.link
     if link.exists() and not link.is_symlink():
         raise MoepipeError(f"{link} exists and is not a moepipe link", "move it away")
-    os.replace(tmp, link)
+    tmp = cfg.workdir / f".{stage.link}.link-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    try:
+        os.replace(tmp, link)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _output_digests(path: Path) -> dict[str, str]:
@@ -260,15 +213,14 @@ def _stage_details(entry: PlanEntry) -> dict[str, Any]:
 
 def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
            until: str | None, progress: bool = False) -> dict:
-    from moepipe.preflight import check_host_memory
-
     ctx = BuildContext(cfg, echo)
     entries = plan(cfg, force, until)
     for entry in entries:  # where it will fail, fail before hours of work
-        ctx.outputs[entry.stage.name] = entry.output
+        ctx.add(entry.stage, entry.output)
         if entry.action == "run" and entry.stage.preflight is not None:
             entry.stage.preflight(ctx)
     ctx.outputs.clear()
+    ctx.hf_outputs.clear()
     started = time.time()
     records = []
     for entry in entries:
@@ -284,13 +236,13 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
             with atomic_dir(entry.output, overwrite=True) as tmp, \
                     live_status(progress, name) as ctx.status:
                 details = entry.stage.run(ctx, tmp) or {}
-                _fault_point(name)
+                fault_point(name)
                 (tmp / STAGE_FILE).write_text(json.dumps(
                     {"stage": name, "fingerprint": entry.fingerprint, "details": details},
                     indent=2, sort_keys=True, default=str) + "\n")
             ctx.details[name] = details
             status = "built"
-        ctx.outputs[name] = entry.output
+        ctx.add(entry.stage, entry.output)
         ctx.fingerprints[name] = entry.fingerprint
         seconds = time.perf_counter() - t0
         echo(f"{name:9} {status:6} {entry.fingerprint[:12]}  {entry.output}  ({seconds:.2f}s)")
@@ -298,23 +250,13 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
                         "output": str(entry.output), "seconds": round(seconds, 3),
                         "tools": _tool_versions(entry.stage.tools),
                         "details": ctx.details[name]})
-        _link(cfg, name, entry.output)
+        _link(cfg, entry.stage, entry.output)
         _write_manifest(cfg, records, started)
         if entry.stage.check is not None:
             entry.stage.check(cfg, ctx.details[name])
     for rec in records:  # digests last: a build that only reuses stages hashes nothing new
         rec["sha256"] = _output_digests(Path(rec["output"]))
     return _write_manifest(cfg, records, started, finished=True)
-
-
-def _fault_point(point: str) -> None:
-    """Test hook for the kill tests: ``MOEPIPE_FAULT=<stage>`` kills the build (SIGKILL) when
-    that stage's output is complete but not yet renamed into place (the last moment a kill can
-    hit it); ``MOEPIPE_FAULT=<stage>@<n>`` at the stage's n-th progress step."""
-    if os.environ.get("MOEPIPE_FAULT") == point:
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _write_manifest(cfg: MoepipeConfig, records: list[dict], started: float,
@@ -339,7 +281,7 @@ def print_plan(cfg: MoepipeConfig, force: tuple[str, ...], echo: Echo,
     out = {"target": cfg.target, "stages": []}
     echo(f"build plan for target {cfg.target} (workdir {cfg.workdir}):")
     for e in entries:
-        ctx.outputs[e.stage.name] = e.output
+        ctx.add(e.stage, e.output)
         info = e.stage.estimate(ctx) if e.stage.estimate else {}
         echo(f"  {e.stage.name:9} {e.action:6} {e.fingerprint[:12]}  {e.output}")
         for key, value in info.items():
@@ -352,18 +294,6 @@ def print_plan(cfg: MoepipeConfig, force: tuple[str, ...], echo: Echo,
 
 
 # -- what other commands read ---------------------------------------------------------------
-def read_manifest(cfg: MoepipeConfig) -> dict:
-    path = cfg.workdir / MANIFEST
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MoepipeError(f"{cfg.workdir}: nothing has been built here",
-                           "run `moepipe build` first") from None
-    except ValueError:
-        raise MoepipeError(f"{path}: corrupt build manifest", "run `moepipe build` again") \
-            from None
-
-
 def outputs(cfg: MoepipeConfig, optional: tuple[str, ...] = ()) -> dict[str, Path]:
     """stage -> output folder, for every stage the config needs; each must be built for the
     config as it is now (and pass its gates), except the ``optional`` ones."""
@@ -387,7 +317,7 @@ def model_dir(cfg: MoepipeConfig) -> Path:
     """The source Hugging Face checkpoint of the config."""
     if cfg.model.path is not None:
         return cfg.model.path
-    entry = plan(cfg, until="source")[0]
+    entry = next(e for e in plan(cfg) if e.stage.hf_checkpoint)
     if not entry.cached:
         raise MoepipeError(f"the example {cfg.model.example} has not been built in "
                            f"{cfg.workdir}", "run `moepipe build` first")

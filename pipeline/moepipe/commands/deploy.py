@@ -19,8 +19,8 @@ def state_dir(cfg: MoepipeConfig) -> Path:
 
 def artifacts(cfg: MoepipeConfig) -> Artifacts:
     """What the last `moepipe build` of this workdir produced."""
-    from moepipe.checkpoints.hf import read_json
     from moepipe.commands.build import model_dir, outputs
+    from moepipe.utils.fs import read_json
 
     # GPU targets render without an engine (it is built on the GPU machine).
     built = outputs(cfg, optional=() if cfg.target == "cpu" else ("engine",))

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moepipe.errors import EnvironmentMissing, MoepipeError
+from moepipe.utils.fs import tail_lines
 
 STATE_FILE = "server.json"
 LOG_FILE = "tritonserver.log"
@@ -161,12 +162,8 @@ def status(state_dir: Path) -> dict:
 
 
 def log_tail(log: Path, lines: int = 15) -> str:
-    try:
-        text = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    useful = [line for line in text if not any(h in line for h in _HARMLESS)]
-    return "\n".join(useful[-lines:])
+    """The useful end of the server log (Triton's harmless warnings left out)."""
+    return tail_lines(log, lines, skip=_HARMLESS)
 
 
 def failure_reason(log: Path) -> str | None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from moepipe import __version__
 from moepipe.arch.family import Family
@@ -35,8 +36,10 @@ from moepipe.checkpoints.st_io import (
     convert_bytes,
     sha256_file,
 )
+from moepipe.config import MoepipeConfig
 from moepipe.errors import CheckpointError, ConfigError
 from moepipe.quant.trtllm import QuantInfo, quantized_rules
+from moepipe.stages.base import BuildContext, Stage, gib
 from moepipe.trtllm.checkpoint_config import build_config
 from moepipe.trtllm.mapping import Mapping, check_mapping
 from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
@@ -328,3 +331,52 @@ def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointRead
         else:
             writer.write_bytes(convert_bytes(view, src, dtype))
             pool.put(buf)
+
+
+# -- host memory ------------------------------------------------------------------------------
+# Python, numpy and moepipe's modules, measured (about 60 MB) plus headroom.
+CONVERT_BASE = 150 << 20
+
+
+def convert_memory(source: Path | None, mapping: Mapping) -> int:
+    """Peak host bytes of a conversion. The converter streams 1 MiB blocks (16 in flight); a
+    column slice (row-parallel weights at tp > 1, expert down-projections at moe_tp > 1) reads
+    one whole source tensor, cuts it and may cast it: about three copies of the largest such
+    tensor."""
+    largest = 0  # casts of contiguous data happen block by block: no whole-tensor copy
+    if (mapping.tp > 1 or mapping.moe_tp > 1) and source is not None \
+            and (source / "config.json").is_file():
+        open_hf_checkpoint(source)  # clear errors for a broken folder
+        with CheckpointReader(source) as reader:
+            largest = max(i.nbytes for i in reader.tensors.values())
+    return CONVERT_BASE + 16 * BLOCK_BYTES + 3 * largest
+
+
+# -- the stage ---------------------------------------------------------------------------------
+def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
+    m = Mapping.of(cfg.parallel)
+    return {"tp": m.tp, "pp": m.pp, "moe_tp": m.moe_tp, "moe_ep": m.moe_ep,
+            "dtype": cfg.model.dtype}
+
+
+def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
+    res = convert_into(open_hf_checkpoint(ctx.model_dir), out, Mapping.of(ctx.cfg.parallel),
+                       dtype=ctx.cfg.model.dtype, workers=ctx.cfg.convert.workers,
+                       progress=ctx.step)
+    return {"world_size": res.plan.mapping.world_size, "dtype": res.plan.dtype,
+            "bytes": res.bytes_written}
+
+
+def _memory(ctx: BuildContext) -> int:
+    try:
+        source: Path | None = ctx.model_dir
+    except KeyError:
+        source = None
+    return convert_memory(source, Mapping.of(ctx.cfg.parallel))
+
+
+STAGE = Stage("convert", 1, applies=lambda cfg: cfg.target in ("cpu", "trtllm-engine"),
+              settings=_settings, inputs=("source", "quantize"), tools=(), run=_run,
+              estimate=lambda ctx: {"host memory (peak)": gib(_memory(ctx))}, memory=_memory,
+              memory_hint="free memory, or use a smaller tp / moe_tp (column slices read whole "
+                          "tensors)", link="checkpoint")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,9 @@ from typing import Any
 
 from moepipe.checkpoints.hf import open_hf_checkpoint
 from moepipe.checkpoints.st_io import CheckpointReader
-from moepipe.trtllm.mapping import legal_mappings
+from moepipe.config import MoepipeConfig
+from moepipe.stages.base import BuildContext, Stage
+from moepipe.trtllm.mapping import Mapping, check_mapping, legal_mappings
 
 
 @dataclass
@@ -109,3 +112,25 @@ def _bytes(n: int) -> str:
         if n >= div:
             return f"{n / div:.1f} {unit}"
     return f"{n} B"
+
+
+# -- the stage ---------------------------------------------------------------------------------
+def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
+    m = Mapping.of(cfg.parallel)  # inspect checks that the model can be split this way
+    return {"tp": m.tp, "pp": m.pp, "moe_tp": m.moe_tp, "moe_ep": m.moe_ep}
+
+
+def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
+    source = ctx.model_dir
+    result = inspect_checkpoint(source)
+    check_mapping(open_hf_checkpoint(source).spec, Mapping.of(ctx.cfg.parallel))
+    data = {k: v for k, v in result.data.items() if k != "path"}  # same input, same bytes
+    (out / "inspect.json").write_text(json.dumps(data, indent=2) + "\n")
+    ctx.echo(format_inspection(result.data))
+    p = result.data["parameters"]
+    return {"architecture": result.data["architecture"], "parameters": p["total"],
+            "active_parameters": p["active_per_token"], "bytes": result.data["bytes_total"]}
+
+
+STAGE = Stage("inspect", 1, applies=lambda cfg: True, settings=_settings, inputs=("source",),
+              tools=(), run=_run)

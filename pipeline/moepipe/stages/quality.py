@@ -25,6 +25,7 @@ from typing import Any
 
 from moepipe.config import MoepipeConfig
 from moepipe.errors import MoepipeError
+from moepipe.stages.base import BuildContext, Stage
 
 
 class QualityError(MoepipeError):
@@ -107,3 +108,26 @@ def check_quality(cfg: MoepipeConfig, measured: dict[str, Any]) -> None:
             f"{cfg.quantize.format} quantization misses the quality gate: {'; '.join(failures)}",
             "try another quantize.format, more calibration data (quantize.calibration), or "
             "relax quantize.quality")
+
+
+# -- the stage ---------------------------------------------------------------------------------
+def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
+    result = measure_quality(ctx.source_dir, ctx.model_dir, ctx.outputs.get("convert"),
+                             ctx.cfg.model.trust_remote_code, step=ctx.step)
+    (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
+    ctx.echo(f"  quality: top-1 agreement {result['top1_agreement']:.4f}, logit cosine "
+             f"{result['logit_cosine']:.4f}, perplexity {result['ppl']:.3f} -> "
+             f"{result['ppl_quantized']:.3f} ({result['sequences']} held-out sequences)")
+    return result
+
+
+def _check(cfg: MoepipeConfig, details: dict[str, Any]) -> None:
+    if details:
+        check_quality(cfg, details)
+
+
+STAGE = Stage("quality", 1, applies=lambda cfg: cfg.quantize.format != "none",
+              settings=lambda cfg: {"dtype": cfg.model.dtype,
+                                    "trust_remote_code": cfg.model.trust_remote_code},
+              inputs=("source", "quantize", "convert"), tools=("torch", "transformers"),
+              run=_run, check=_check)

@@ -25,6 +25,8 @@ from typing import Any
 
 from moepipe.config import GPU_ONLY_FORMATS, MoepipeConfig
 from moepipe.errors import ConfigError, EnvironmentMissing, MoepipeError, UnsupportedError
+from moepipe.stages.base import BuildContext, Stage, gib
+from moepipe.stages.source import source_spec
 
 # moepipe format -> (modelopt config, TensorRT-LLM quant_algo)
 FORMATS = {
@@ -266,3 +268,55 @@ def quantize_memory(param_count: int) -> int:
     export makes quantized copies (about 2.2x the float32 weights), plus about 1 GiB for
     torch, transformers and modelopt."""
     return int(param_count * 4 * 2.2) + (1 << 30)
+
+
+# -- the stage ---------------------------------------------------------------------------------
+def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
+    q = cfg.quantize
+    cal = q.calibration.model_dump(mode="json")
+    if q.calibration.dataset is not None:  # the data, not where it lives, shapes the output
+        from moepipe.checkpoints.hashcache import file_sha256
+
+        cal["dataset"] = file_sha256(q.calibration.dataset) \
+            if q.calibration.dataset.is_file() else str(q.calibration.dataset)
+    return {"format": q.format, "kv_cache": q.kv_cache, "calibration": cal,
+            "trust_remote_code": cfg.model.trust_remote_code}
+
+
+def _preflight(ctx: BuildContext) -> None:
+    check_environment(ctx.cfg.quantize.format)
+    dataset = ctx.cfg.quantize.calibration.dataset
+    if dataset is not None and not dataset.is_file():
+        raise ConfigError(f"quantize.calibration.dataset: {dataset} does not exist",
+                          "give a local .txt or .jsonl file (nothing is downloaded)")
+    spec = source_spec(ctx)
+    if spec is not None:
+        check_dimensions(ctx.cfg.quantize.format, spec)
+
+
+def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
+    return run_quantize(ctx.cfg, ctx.model_dir, out, echo=ctx.echo, step=ctx.step,
+                        log_path=ctx.cfg.workdir / "logs" / "quantize.log")
+
+
+def _memory(ctx: BuildContext) -> int:
+    from moepipe.trtllm.engine import model_params
+
+    spec = source_spec(ctx)
+    return 0 if spec is None else quantize_memory(model_params(spec))
+
+
+def _estimate(ctx: BuildContext) -> dict[str, Any]:
+    q = ctx.cfg.quantize
+    cal = q.calibration
+    return {"format": f"{q.format} (kv cache {q.kv_cache}), {cal.samples} x {cal.seq_len} "
+                      f"calibration tokens from {cal.dataset or 'the built-in corpus'}",
+            "host memory (peak)": gib(_memory(ctx))}
+
+
+STAGE = Stage("quantize", 1, applies=lambda cfg: cfg.quantize.format != "none",
+              settings=_settings, inputs=("source",),
+              tools=("nvidia-modelopt", "torch", "transformers"), run=_run, estimate=_estimate,
+              memory=_memory, memory_hint="quantize on a machine with more memory (modelopt "
+                                          "holds the model in float32)",
+              preflight=_preflight, link="quantized", hf_checkpoint=True)

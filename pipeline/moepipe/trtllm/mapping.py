@@ -15,9 +15,13 @@ Rules (TensorRT-LLM ``tensorrt_llm/mapping.py``, 1.2.x):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from moepipe.arch.spec import ModelSpec
 from moepipe.errors import MappingError
+
+if TYPE_CHECKING:
+    from moepipe.config import ParallelSection
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,12 @@ class Mapping:
                                "expert parallelism splits the tensor-parallel group: "
                                "moe_tp * moe_ep must equal tp")
         return cls(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep)
+
+    @classmethod
+    def of(cls, parallel: ParallelSection) -> Mapping:
+        """The mapping of a config's ``parallel`` section."""
+        return cls.create(tp=parallel.tp, pp=parallel.pp, moe_tp=parallel.moe_tp,
+                          moe_ep=parallel.moe_ep)
 
     @property
     def world_size(self) -> int:

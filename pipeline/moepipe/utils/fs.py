@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from moepipe.errors import MoepipeError
 
@@ -49,3 +51,29 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def tail_lines(path: Path, lines: int, skip: tuple[str, ...] = ()) -> str:
+    """The last ``lines`` lines of a log file (without lines containing any of ``skip``);
+    empty when it cannot be read."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join([line for line in text if not any(s in line for s in skip)][-lines:])
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``path``; a CheckpointError naming the file when it is missing,
+    corrupt or not an object."""
+    from moepipe.errors import CheckpointError
+
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found", f"{what} must contain it") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})", "the file is corrupt") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data

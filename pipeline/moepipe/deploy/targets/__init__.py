@@ -1,1 +1,27 @@
-"""deploy/targets"""
+"""The deploy targets, as a registry: target name -> the values its templates need.
+
+Each target is one module with a ``values(cfg, artifacts, out)`` function; its templates live in
+``model_repo/targets/<name>/``. Adding a target = one module + one line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from moepipe.deploy.targets import cpu, trtllm_engine, trtllm_pytorch
+from moepipe.deploy.targets.base import Artifacts
+
+if TYPE_CHECKING:
+    from moepipe.config import MoepipeConfig
+
+Values = Callable[["MoepipeConfig", Artifacts, Path], dict[str, str]]
+
+TARGETS: dict[str, Values] = {
+    "cpu": cpu.values,
+    "trtllm-engine": trtllm_engine.values,
+    "trtllm-pytorch": trtllm_pytorch.values,
+}
+
+__all__ = ["TARGETS", "Artifacts", "Values"]

@@ -1,0 +1,25 @@
+"""Template values of the ``cpu`` target: moepipe's reference runtime in a Triton Python model
+(``targets/cpu/model_repo/tensorrt_llm/``), serving the converted TensorRT-LLM checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from moepipe.deploy.targets.base import Artifacts, flag
+from moepipe.errors import MoepipeError
+
+if TYPE_CHECKING:
+    from moepipe.config import MoepipeConfig
+
+
+def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
+    if art.checkpoint_dir is None or not (art.checkpoint_dir / "config.json").is_file():
+        raise MoepipeError("no converted checkpoint to serve", "run `moepipe build` first")
+    return {
+        "checkpoint_dir": str(art.checkpoint_dir.resolve()),
+        "max_seq_len": str(cfg.build.max_seq_len),
+        "max_input_len": str(cfg.build.max_input_len),
+        "exclude_input_in_output": flag(cfg.deploy.exclude_input_in_output),
+        "cpu_threads": str(cfg.deploy.cpu_threads),
+    }

@@ -1,0 +1,136 @@
+"""Template values of the two GPU targets (rendered here; they run only on a GPU machine).
+
+``trtllm-engine`` - TensorRT engines + the C++ ``tensorrtllm`` backend
+(``targets/trtllm-engine/``: ``model_repo/tensorrt_llm/config.pbtxt`` and ``launch.sh``):
+
+=============================== ==============================================================
+value                           source
+=============================== ==============================================================
+engine_dir                      ``Artifacts.engine_dir``; without one (no GPU here yet)
+                                ``<workdir>/engine``, where ``moepipe build`` puts it
+logits_datatype                 ``logits_dtype`` of the engine's config.json, else of the
+                                converted checkpoint's, else float32 (what moepipe writes)
+batching_strategy               ``deploy.trtllm.batching_strategy`` (parameter gpt_model_type)
+max_beam_width, ...             ``deploy.trtllm.<same name>``: batch_scheduler_policy,
+                                kv_cache_free_gpu_mem_fraction, enable_kv_cache_reuse,
+                                enable_chunked_context, normalize_log_probs,
+                                cancellation_check_period_ms, stats_check_period_ms,
+                                iter_stats_max_iterations, request_stats_max_iterations
+optional_parameters             ``deploy.trtllm`` max_tokens_in_paged_kv_cache,
+                                max_attention_window_size, decoding_mode: one parameter line
+                                each when set, nothing when None (TensorRT-LLM's default)
+exclude_input_in_output         ``deploy.exclude_input_in_output``
+deploy_dir                      ``cfg.deploy_dir`` (launch.sh serves ``<deploy_dir>/model_repo``)
+world_size, tp_size, pp_size    ``parallel`` resolved by :class:`moepipe.trtllm.mapping.Mapping`;
+                                world_size = tp x pp
+host, http_port, grpc_port,     ``deploy.<same name>``
+metrics_port
+exit_timeout_secs               ``deploy.exit_timeout_s``
+tritonserver                    ``deploy.tritonserver``, else ``tritonserver`` from PATH
+trtllm_container                :data:`moepipe.trtllm.versions.TRITON_TRTLLM_CONTAINER` (messages)
+=============================== ==============================================================
+
+Literal in the template (facts of the backend, not choices): ``num_nodes`` 1 (launch.sh starts
+every rank on one node), ``FORCE_CPU_ONLY_INPUT_TENSORS`` no, ``executor_worker_path`` (the
+container's worker binary), and empty ``guided_decoding_backend`` /
+``xgrammar_tokenizer_info_path`` (guided decoding off; the backend fails to load without the
+keys). ``tokenizer_dir`` is the shared value (``<deploy>/tokenizer``). Left out, so
+TensorRT-LLM decides: ``gpu_device_ids`` (leader mode uses the visible GPUs in rank order;
+launch.sh checks there are exactly world_size) and ``participant_ids`` (orchestrator mode only).
+launch.sh reads the world size, max_beam_width and version from the engine's own config.json at
+start and refuses to run when they disagree with the rendered values, the visible GPUs or the
+installed TensorRT-LLM. When the engine exists at render time, its world size and its recorded
+TensorRT-LLM version (which must be
+:data:`moepipe.trtllm.versions.TRTLLM_ENGINE_VERSION`) are checked
+already here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moepipe.deploy.targets.base import Artifacts, flag, quotable
+from moepipe.errors import CheckpointError, MappingError
+from moepipe.trtllm.engine import check_engine_version, engine_world_size
+from moepipe.trtllm.mapping import Mapping
+from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
+from moepipe.utils.fs import read_json
+
+if TYPE_CHECKING:
+    from moepipe.config import MoepipeConfig
+
+# TensorRT-LLM logits_dtype -> Triton data type of context_logits / generation_logits.
+LOGITS_DATATYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
+
+
+def _read_json_if(path: Path) -> dict[str, Any] | None:
+    return read_json(path, "its folder") if path.is_file() else None
+
+
+def _logits_datatype(engine_cfg: dict[str, Any] | None, art: Artifacts) -> str:
+    dtype = None
+    if engine_cfg is not None:
+        dtype = engine_cfg["pretrained_config"].get("logits_dtype")
+    elif art.checkpoint_dir is not None:
+        ckpt = _read_json_if(art.checkpoint_dir / "config.json")
+        dtype = ckpt.get("logits_dtype") if ckpt else None
+    dtype = dtype or "float32"
+    if dtype not in LOGITS_DATATYPES:
+        raise CheckpointError(f"logits_dtype '{dtype}' has no Triton data type here; "
+                              f"supported: {', '.join(LOGITS_DATATYPES)}")
+    return LOGITS_DATATYPES[dtype]
+
+
+def _parameter(key: str, value: str) -> str:
+    return f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+
+
+def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
+    """Values of ``targets/trtllm-engine`` (see the module docstring for each source)."""
+    t = cfg.deploy.trtllm
+    d = cfg.deploy
+    mapping = Mapping.of(cfg.parallel)
+    engine = (art.engine_dir or cfg.workdir / "engine").resolve()
+    engine_cfg = _read_json_if(engine / "config.json")
+    if engine_cfg is not None:  # built already: catch a mismatch now rather than at launch
+        built = engine_world_size(engine_cfg, str(engine / "config.json"))
+        check_engine_version(engine_cfg, str(engine / "config.json"))
+        if built != mapping.world_size:
+            raise MappingError(
+                f"{engine}: the engine was built for world size {built}, but the config asks "
+                f"for tp={mapping.tp} x pp={mapping.pp} = {mapping.world_size}",
+                "rebuild the engine (`moepipe build`) or fix parallel.tp / parallel.pp")
+    optional = {"max_tokens_in_paged_kv_cache": t.max_tokens_in_paged_kv_cache,
+                "max_attention_window_size": t.max_attention_window_size,
+                "decoding_mode": t.decoding_mode}
+    return {
+        "engine_dir": quotable(str(engine), "engine_dir"),
+        "logits_datatype": _logits_datatype(engine_cfg, art),
+        "batching_strategy": t.batching_strategy,
+        "max_beam_width": str(t.max_beam_width),
+        "batch_scheduler_policy": t.batch_scheduler_policy,
+        "kv_cache_free_gpu_mem_fraction": str(t.kv_cache_free_gpu_mem_fraction),
+        "enable_kv_cache_reuse": flag(t.enable_kv_cache_reuse),
+        "enable_chunked_context": flag(t.enable_chunked_context),
+        "exclude_input_in_output": flag(d.exclude_input_in_output),
+        "normalize_log_probs": flag(t.normalize_log_probs),
+        "cancellation_check_period_ms": str(t.cancellation_check_period_ms),
+        "stats_check_period_ms": str(t.stats_check_period_ms),
+        "iter_stats_max_iterations": str(t.iter_stats_max_iterations),
+        "request_stats_max_iterations": str(t.request_stats_max_iterations),
+        "optional_parameters": "\n".join(_parameter(k, str(v)) for k, v in optional.items()
+                                         if v is not None),
+        # launch.sh
+        "deploy_dir": quotable(str(out.resolve()), "deploy.output"),
+        "world_size": str(mapping.world_size),
+        "tp_size": str(mapping.tp),
+        "pp_size": str(mapping.pp),
+        "host": quotable(d.host, "deploy.host"),
+        "http_port": str(d.http_port),
+        "grpc_port": str(d.grpc_port),
+        "metrics_port": str(d.metrics_port),
+        "exit_timeout_secs": str(d.exit_timeout_s),
+        "tritonserver": quotable(str(d.tritonserver or "tritonserver"), "deploy.tritonserver"),
+        "trtllm_container": TRITON_TRTLLM_CONTAINER,
+    }

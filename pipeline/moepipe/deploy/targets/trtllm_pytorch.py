@@ -1,0 +1,73 @@
+"""``trtllm-pytorch`` - TensorRT-LLM's PyTorch backend (LLM API) inside a Python model
+(``targets/trtllm-pytorch/model_repo/tensorrt_llm/``: ``config.pbtxt``, ``1/model.yaml``,
+``1/model.py``):
+
+=============================== ==============================================================
+value                           source
+=============================== ==============================================================
+hf_model_dir                    ``Artifacts.hf_serving_dir``, else ``Artifacts.model_dir``
+tensor_parallel_size, ...       ``parallel`` resolved by :class:`moepipe.trtllm.mapping.Mapping`
+                                (pipeline, moe_tensor and moe_expert parallel sizes too)
+moe_backend                     ``deploy.trtllm.moe_backend`` (moe_config.backend)
+max_num_tokens, max_seq_len     ``build.<same name>``; max_batch_size is the shared
+                                ``triton_max_batch_size`` (``build.max_batch_size``)
+max_beam_width                  ``deploy.trtllm.max_beam_width``
+kv_cache_free_gpu_mem_fraction  ``deploy.trtllm`` (kv_cache_config.free_gpu_memory_fraction)
+kv_cache_max_tokens             ``deploy.trtllm.max_tokens_in_paged_kv_cache`` (null = unset)
+kv_cache_max_attention_window   ``deploy.trtllm.max_attention_window_size`` (null = unset)
+enable_kv_cache_reuse           ``deploy.trtllm`` (kv_cache_config.enable_block_reuse)
+enable_chunked_context          ``deploy.trtllm`` (enable_chunked_prefill)
+capacity_scheduler_policy       ``deploy.trtllm.batch_scheduler_policy``, upper-cased
+trust_remote_code               ``model.trust_remote_code``
+exclude_input_in_output         ``deploy.exclude_input_in_output`` (config.pbtxt parameter)
+trtllm_container                :data:`moepipe.trtllm.versions.TRITON_TRTLLM_CONTAINER` (the error
+                                model.py raises where tensorrt_llm is missing)
+trtllm_version                  :data:`moepipe.trtllm.versions.TRTLLM_ENGINE_VERSION` (warns
+                                model.py when another version is installed)
+=============================== ==============================================================
+
+The ``triton_config`` block of model.yaml mirrors config.pbtxt's max_batch_size and decoupled
+(the shared ``triton_max_batch_size`` / ``decoupled_mode`` values); model.py checks they agree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from moepipe.deploy.targets.base import Artifacts, flag, quotable
+from moepipe.trtllm.mapping import Mapping
+from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
+
+if TYPE_CHECKING:
+    from moepipe.config import MoepipeConfig
+
+
+def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
+    """Values of ``targets/trtllm-pytorch`` (see the module docstring for each source)."""
+    t = cfg.deploy.trtllm
+    mapping = Mapping.of(cfg.parallel)
+    model = (art.hf_serving_dir or art.model_dir).resolve()
+    window = t.max_attention_window_size
+    return {
+        "hf_model_dir": quotable(str(model), "model path"),
+        "tensor_parallel_size": str(mapping.tp),
+        "pipeline_parallel_size": str(mapping.pp),
+        "moe_tensor_parallel_size": str(mapping.moe_tp),
+        "moe_expert_parallel_size": str(mapping.moe_ep),
+        "moe_backend": t.moe_backend,
+        "max_num_tokens": str(cfg.build.max_num_tokens),
+        "max_seq_len": str(cfg.build.max_seq_len),
+        "max_beam_width": str(t.max_beam_width),
+        "kv_cache_free_gpu_mem_fraction": str(t.kv_cache_free_gpu_mem_fraction),
+        "kv_cache_max_tokens": json.dumps(t.max_tokens_in_paged_kv_cache),  # null: unset
+        "kv_cache_max_attention_window": json.dumps(None if window is None else [window]),
+        "enable_kv_cache_reuse": flag(t.enable_kv_cache_reuse),
+        "enable_chunked_context": flag(t.enable_chunked_context),
+        "capacity_scheduler_policy": t.batch_scheduler_policy.upper(),
+        "trust_remote_code": flag(cfg.model.trust_remote_code),
+        "exclude_input_in_output": flag(cfg.deploy.exclude_input_in_output),
+        "trtllm_container": TRITON_TRTLLM_CONTAINER,
+        "trtllm_version": TRTLLM_ENGINE_VERSION,
+    }

@@ -1,0 +1,108 @@
+"""What a build stage is, and what it sees while it runs.
+
+A :class:`Stage` is data: its name, what shapes its output (settings, inputs, tool versions),
+how it runs, and the optional hooks the runner (:mod:`moepipe.commands.build`) calls - a
+pre-flight check, a memory estimate, a gate on its results. Each stage module declares its own
+``STAGE``; :mod:`moepipe.stages.registry` lists them in order. The runner knows no stage by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moepipe.config import MoepipeConfig
+
+Echo = Callable[[str], None]
+log = logging.getLogger("moepipe.build")
+
+
+def fault_point(point: str) -> None:
+    """Test hook for the kill tests: ``MOEPIPE_FAULT=<stage>`` kills the build (SIGKILL) when
+    that stage's output is complete but not yet renamed into place (the last moment a kill can
+    hit it); ``MOEPIPE_FAULT=<stage>@<n>`` at the stage's n-th progress step."""
+    if os.environ.get("MOEPIPE_FAULT") == point:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class BuildContext:
+    """The config, and the outputs of the stages that ran (or were reused) so far, in order."""
+
+    cfg: MoepipeConfig
+    echo: Echo
+    outputs: dict[str, Path] = field(default_factory=dict)
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    details: dict[str, dict] = field(default_factory=dict)
+    status: Echo = field(default=lambda text: None)  # the live progress line of the stage
+    stage: str = ""  # the stage running now
+    steps: int = 0
+    # stage name -> True when its output is a Hugging Face checkpoint later stages read
+    hf_outputs: dict[str, bool] = field(default_factory=dict)
+
+    def step(self, text: str) -> None:
+        """Progress inside a stage (a shard, a layer, a batch): the live line on a terminal,
+        a log record (``-v``) otherwise."""
+        log.info("%s", text)
+        self.status(text)
+        self.steps += 1
+        fault_point(f"{self.stage}@{self.steps}")
+
+    def output(self, stage: str) -> Path:
+        return self.outputs[stage]
+
+    def add(self, stage: Stage, path: Path) -> None:
+        """Record ``stage``'s output (in build order)."""
+        self.outputs[stage.name] = path
+        self.hf_outputs[stage.name] = stage.hf_checkpoint
+
+    @property
+    def source_dir(self) -> Path | None:
+        """The first Hugging Face checkpoint of the build (the user's model or the example)."""
+        return next((self.outputs[n] for n, hf in self.hf_outputs.items() if hf), None)
+
+    @property
+    def model_dir(self) -> Path:
+        """The Hugging Face checkpoint the model stages read: the latest one (quantized when
+        the config asks for it)."""
+        latest = [self.outputs[n] for n, hf in self.hf_outputs.items() if hf]
+        if not latest:
+            raise KeyError("no stage has produced a Hugging Face checkpoint yet")
+        return latest[-1]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    version: int
+    applies: Callable[[MoepipeConfig], bool]
+    settings: Callable[[MoepipeConfig], dict[str, Any]]  # config values its output depends on
+    inputs: tuple[str, ...]  # stages it reads (their fingerprints are part of its own)
+    tools: tuple[str, ...]  # distributions whose versions shape its output
+    run: Callable[[BuildContext, Path], dict[str, Any]]  # writes into the given folder
+    estimate: Callable[[BuildContext], dict[str, Any]] | None = None  # plan: memory, command
+    memory: Callable[[BuildContext], int] | None = None  # peak host bytes (pre-flight)
+    memory_hint: str = "use a machine with more memory"
+    # Checks of the machine and the config made before the build runs any stage (fail fast).
+    preflight: Callable[[BuildContext], None] | None = None
+    # Gates on a finished stage's details, applied whenever a build or deploy reads it.
+    check: Callable[[MoepipeConfig, dict[str, Any]], None] | None = None
+    # The name of the link to its output in the workdir (``<workdir>/<link>``), if any.
+    link: str | None = None
+    # Its output is a Hugging Face checkpoint (the model later stages read).
+    hf_checkpoint: bool = False
+    # A folder of the user's used in place instead of an output (None: build one).
+    in_place: Callable[[MoepipeConfig], Path | None] | None = None
+    # Extra fingerprint inputs read from outside the config (e.g. the user's files' sha256).
+    external: Callable[[MoepipeConfig], dict[str, Any]] | None = None
+
+
+def gib(n: int) -> str:
+    """Bytes as GiB for plans and messages."""
+    return f"{n / 2**30:.2f} GiB"

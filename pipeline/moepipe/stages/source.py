@@ -1,0 +1,60 @@
+"""Stage ``source``: the user's checkpoint used in place, or the built-in example written once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moepipe.config import MoepipeConfig
+from moepipe.errors import MoepipeError
+from moepipe.stages.base import BuildContext, Stage
+
+
+def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
+    if cfg.model.example is not None:
+        return {"example": cfg.model.example}
+    return {"path": str(cfg.model.path)}
+
+
+def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
+    from moepipe.examples import write_example
+
+    out.rmdir()  # write_example creates the folder itself (atomically)
+    write_example(ctx.cfg.model.example, out)
+    return {"example": ctx.cfg.model.example}
+
+
+def _in_place(cfg: MoepipeConfig) -> Path | None:
+    return cfg.model.path
+
+
+def _files(cfg: MoepipeConfig) -> dict[str, Any]:
+    """sha256 of every file of a user's checkpoint folder (remembered by stat signature)."""
+    if cfg.model.path is None:
+        return {}
+    from moepipe.checkpoints.hashcache import file_sha256
+
+    path = cfg.model.path
+    if not path.is_dir():
+        raise MoepipeError(f"{path}: no such directory",
+                           "model.path must be a Hugging Face checkpoint folder")
+    return {"files": {p.name: file_sha256(p) for p in sorted(path.iterdir()) if p.is_file()}}
+
+
+def source_spec(ctx: BuildContext):
+    """The source model's spec (None at dry-run time when the example is not written yet)."""
+    from moepipe.checkpoints.hf import open_hf_checkpoint
+
+    src = ctx.source_dir
+    if src is None or not (src / "config.json").is_file():
+        if ctx.cfg.model.example is None:
+            return None
+        from moepipe.examples import example_spec
+
+        return example_spec(ctx.cfg.model.example)
+    return open_hf_checkpoint(src).spec
+
+
+STAGE = Stage("source", 1, applies=lambda cfg: True, settings=_settings, inputs=(),
+              tools=("transformers", "tokenizers"), run=_run, link="model", hf_checkpoint=True,
+              in_place=_in_place, external=_files)
