@@ -117,7 +117,7 @@ def main() -> None:
     from moepipe.config import load_config
     from moepipe.deploy import server
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "integration"))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "e2e"))
     from helpers import free_ports
 
     work = Path(tempfile.mkdtemp(prefix="moepipe-serve-bench-"))

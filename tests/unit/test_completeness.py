@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from moepipe.arch import get_family
-from moepipe.checkpoints.hf import open_hf_checkpoint
+from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.stages.convert import plan_conversion, unmapped_tensors
 from moepipe.trtllm.mapping import Mapping

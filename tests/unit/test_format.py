@@ -113,11 +113,13 @@ def test_config_json_fields(examples, tmp_path):
     assert cfg["moe"]["normalization_mode"] == 0  # norm_topk_prob false
     assert cfg["mapping"] == {"world_size": 4, "gpus_per_node": 8, "cp_size": 1, "tp_size": 4,
                               "pp_size": 1, "moe_tp_size": 2, "moe_cluster_size": 1,
-                              "moe_ep_size": 2, "attn_tp_size": -1, "attn_cp_size": -1,
-                              "cp_config": {}, "auto_parallel": False}
+                              "moe_ep_size": 2, "attn_tp_size": 4, "attn_cp_size": 1,
+                              "cp_config": {}, "enable_attention_dp": False,
+                              "enable_lm_head_tp_in_adp": False}
     assert set(cfg["quantization"]) == {"quant_algo", "kv_cache_quant_algo", "group_size",
                                         "smoothquant_val", "clamp_val", "use_meta_recipe",
                                         "has_zero_point", "pre_quant_scale", "exclude_modules"}
+
     rank = load_file(out / "rank0.safetensors")
     assert rank["transformer.layers.0.mlp.fc.weight"].dtype == torch.bfloat16
     assert rank["transformer.layers.0.mlp.router.weight"].dtype == torch.float32
@@ -146,3 +148,29 @@ def test_conversion_is_deterministic_and_has_manifest(examples, tmp_path):
     assert sorted(p.name for p in a.iterdir()) == [
         "config.json", "moepipe-manifest.json", "rank0.safetensors", "rank1.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# TensorRT-LLM 1.2 (1.2.0rc2, commit b35ac1b6) rebuilds both blocks with cls(**block), so a key
+# outside these keyword sets fails trtllm-build with a TypeError:
+# tensorrt_llm/mapping.py - MappingBase.__init__ (and what its to_dict() writes, less `rank`);
+# tensorrt_llm/models/modeling_utils.py - the QuantConfig dataclass fields.
+TRTLLM_1_2_MAPPING_TO_DICT = {"world_size", "rank", "gpus_per_node", "cp_size", "tp_size",
+                              "pp_size", "moe_tp_size", "moe_cluster_size", "moe_ep_size",
+                              "attn_tp_size", "attn_cp_size", "cp_config", "enable_attention_dp",
+                              "enable_lm_head_tp_in_adp"}
+TRTLLM_1_2_QUANT_CONFIG = {"quant_algo", "kv_cache_quant_algo", "group_size", "smoothquant_val",
+                           "clamp_val", "use_meta_recipe", "has_zero_point", "pre_quant_scale",
+                           "exclude_modules", "mamba_ssm_cache_dtype"}
+
+
+def test_mapping_and_quantization_blocks_are_what_trtllm_1_2_constructs(examples, tmp_path):
+    out = tmp_path / "ckpt"
+    convert(examples["tiny-mixtral"], out, tp=2, moe_ep=2)
+    cfg = json.loads((out / "config.json").read_text())
+    assert set(cfg["mapping"]) == TRTLLM_1_2_MAPPING_TO_DICT - {"rank"}
+    assert set(cfg["quantization"]) <= TRTLLM_1_2_QUANT_CONFIG
+    from moepipe.checkpoints.modelopt import QuantInfo
+    from moepipe.trtllm.checkpoint_config import quantization_block
+    for algo in ("FP8", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"):
+        block = quantization_block(QuantInfo(algo, "FP8", 128, ()))
+        assert set(block) <= TRTLLM_1_2_QUANT_CONFIG, algo

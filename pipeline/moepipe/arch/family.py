@@ -9,12 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from moepipe.arch.routing import NormalizationMode
 from moepipe.arch.rules import Rule
 from moepipe.arch.spec import DEFAULT_CONFIG_KEYS, ModelSpec, normalize
 
 
 @dataclass(frozen=True)
-class Literal:
+class Fixed:
     """A constant written into the TensorRT-LLM config (as opposed to a ModelSpec field name)."""
 
     value: Any
@@ -43,8 +44,8 @@ class Family:
     # 'renormalize' (topk -> softmax) or 'norm_topk_prob' (RENORMALIZE when the HF config sets
     # norm_topk_prob, else NONE = softmax -> topk).
     routing: str
-    # Extra, family-specific TensorRT-LLM config fields: name -> ModelSpec attribute or Literal.
-    trtllm_fields: dict[str, str | Literal]
+    # Extra, family-specific TensorRT-LLM config fields: name -> ModelSpec attribute or Fixed.
+    trtllm_fields: dict[str, str | Fixed]
     runtime_facts: Callable[[dict[str, Any]], RuntimeFacts]
     config_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
     config_defaults: dict[str, Any] = field(default_factory=dict)
@@ -63,12 +64,12 @@ class Family:
         """Normalise an HF ``config.json`` of this family."""
         return normalize(hf_config, self.keys(), where, self.config_defaults)
 
-    def normalization_mode(self, spec: ModelSpec) -> int:
-        """TensorRT-LLM ``moe.normalization_mode``: 0 NONE (softmax->topk), 1 RENORMALIZE."""
+    def normalization_mode(self, spec: ModelSpec) -> NormalizationMode:
+        """TensorRT-LLM ``moe.normalization_mode`` of a model of this family."""
         if self.routing == "renormalize":
-            return 1
+            return NormalizationMode.RENORMALIZE
         # TensorRT-LLM's own Qwen converter always writes NONE. That drops the renormalisation
         # Qwen3-MoE checkpoints ask for with norm_topk_prob=true (softmax -> topk -> divide by the
         # sum), so its engines disagree with Hugging Face. softmax->topk->renormalise is exactly
         # RENORMALIZE (topk on logits, then softmax over the k), so moepipe writes 1 there.
-        return 1 if spec.norm_topk_prob else 0
+        return NormalizationMode.RENORMALIZE if spec.norm_topk_prob else NormalizationMode.NONE

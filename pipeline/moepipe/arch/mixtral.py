@@ -1,7 +1,7 @@
 """Mixtral (``MixtralForCausalLM``) -> TensorRT-LLM LLaMA-class checkpoint."""
 
 from moepipe.arch.common import ATTENTION, MODEL_RULES, llama_runtime_facts
-from moepipe.arch.family import Family, Literal
+from moepipe.arch.family import Family, Fixed
 from moepipe.arch.rules import ExpertsDown, ExpertsGatedPair, ExpertSource, Router
 
 _EXPERTS = ExpertSource(
@@ -30,21 +30,21 @@ FAMILY = Family(
     config_keys={"expert_intermediate_size": ("intermediate_size",),
                  "dense_intermediate_size": ("intermediate_size",)},
     trtllm_fields={
-        "mlp_bias": Literal(False),
+        "mlp_bias": Fixed(False),
         "attn_bias": "attention_bias",
         "rotary_base": "rope_theta",
-        "rotary_scaling": Literal(None),
-        "residual_mlp": Literal(False),
-        "disable_weight_only_quant_plugin": Literal(False),
-        "remove_duplicated_kv_heads": Literal(False),
-        "fc_after_embed": Literal(False),
-        "use_input_layernorm_in_first_layer": Literal(True),
-        "use_last_layernorm": Literal(True),
-        "layer_idx_offset": Literal(0),
-        "embedding_multiplier": Literal(1.0),
-        "attention_multiplier": Literal(1.0),
-        "residual_multiplier": Literal(1.0),
-        "output_multiplier_scale": Literal(1.0),
+        "rotary_scaling": Fixed(None),
+        "residual_mlp": Fixed(False),
+        "disable_weight_only_quant_plugin": Fixed(False),
+        "remove_duplicated_kv_heads": Fixed(False),
+        "fc_after_embed": Fixed(False),
+        "use_input_layernorm_in_first_layer": Fixed(True),
+        "use_last_layernorm": Fixed(True),
+        "layer_idx_offset": Fixed(0),
+        "embedding_multiplier": Fixed(1.0),
+        "attention_multiplier": Fixed(1.0),
+        "residual_multiplier": Fixed(1.0),
+        "output_multiplier_scale": Fixed(1.0),
         "tie_word_embeddings": "tie_word_embeddings",
     },
     runtime_facts=llama_runtime_facts,

@@ -1,7 +1,7 @@
 """Qwen2-MoE and Qwen3-MoE -> TensorRT-LLM QWen-class checkpoints."""
 
 from moepipe.arch.common import ATTENTION, MODEL_RULES, QK_NORM, qwen_runtime_facts
-from moepipe.arch.family import Family, Literal
+from moepipe.arch.family import Family, Fixed
 from moepipe.arch.rules import ExpertsDown, ExpertsGatedPair, ExpertSource, GatedPair, Router, Split
 
 _MLP = "model.layers.{layer}.mlp."
@@ -33,17 +33,17 @@ _SHARED_EXPERT = {
 
 def _qwen_fields(qwen_type: str) -> dict:
     return {
-        "mlp_bias": Literal(False),
+        "mlp_bias": Fixed(False),
         # TensorRT-LLM forces attn_bias from qwen_type; moepipe writes what the checkpoint has
         # so that a Qwen3 checkpoint with attention_bias=true keeps its biases.
         "attn_bias": "attention_bias",
         "rotary_base": "rope_theta",
-        "rotary_scaling": Literal(None),
-        "disable_weight_only_quant_plugin": Literal(False),
-        "use_logn_attn": Literal(False),
-        "num_labels": Literal(1),
-        "seq_length": Literal(8192),
-        "qwen_type": Literal(qwen_type),
+        "rotary_scaling": Fixed(None),
+        "disable_weight_only_quant_plugin": Fixed(False),
+        "use_logn_attn": Fixed(False),
+        "num_labels": Fixed(1),
+        "seq_length": Fixed(8192),
+        "qwen_type": Fixed(qwen_type),
         "moe_intermediate_size": "expert_intermediate_size",
         "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
         "tie_word_embeddings": "tie_word_embeddings",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moepipe.config import MoepipeConfig
-from moepipe.validate.jobs import JOBS, Endpoint
+from moepipe.validate.jobs import JOBS, Endpoint, JobContext
 from moepipe.validate.report import Report
 
 
@@ -27,7 +27,7 @@ def endpoint_for(cfg: MoepipeConfig, url: str | None, grpc_url: str | None) -> E
 def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | None = None,
                  jobs: list[str] | None = None,
                  echo: Callable[[str], None] = print) -> tuple[Report, tuple]:
-    from moepipe.commands.build import model_dir
+    from moepipe.commands.build import model_dir, outputs
     from moepipe.errors import MoepipeError
 
     ep = endpoint_for(cfg, url, grpc_url)
@@ -35,9 +35,14 @@ def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | Non
         source = model_dir(cfg)
     except MoepipeError:
         source = None
+    try:
+        checkpoint = outputs(cfg).get("convert")
+    except MoepipeError:
+        checkpoint = None
+    ctx = JobContext(ep, cfg, source, checkpoint)
     report = Report(target=cfg.target, endpoint={"http": ep.http, "grpc": ep.grpc})
     for name in jobs or cfg.validation.jobs:
-        job = JOBS[name](ep, cfg, source)
+        job = JOBS[name](ctx)
         report.jobs.append(job)
         for case in job.cases:
             mark = {"passed": "ok  ", "skipped": "skip", "failed": "FAIL", "error": "ERR "}

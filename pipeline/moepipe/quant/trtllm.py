@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from moepipe.arch.rules import (
     QKV,
@@ -47,47 +46,9 @@ from moepipe.arch.rules import (
     Split,
     _chunk,
 )
+from moepipe.checkpoints.modelopt import AWQ, FP8, FP8_MAX, GROUP, SQ, QuantInfo
 from moepipe.checkpoints.st_io import DTYPES, F32, DType
-from moepipe.errors import MappingError, UnsupportedError
-
-FP8, AWQ, SQ = "FP8", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"
-ALGOS = (FP8, AWQ, SQ)
-KV_ALGOS = ("FP8", "INT8")
-GROUP = 128
-FP8_MAX = 448.0
-
-
-@dataclass(frozen=True)
-class QuantInfo:
-    """What modelopt's ``hf_quant_config.json`` says about a unified checkpoint."""
-
-    algo: str
-    kv_algo: str | None
-    group_size: int
-    exclude: tuple[str, ...]
-
-    @classmethod
-    def parse(cls, data: dict[str, Any], where: str) -> QuantInfo:
-        q = data.get("quantization", data)
-        algo, kv = q.get("quant_algo"), q.get("kv_cache_quant_algo")
-        if algo not in ALGOS:
-            raise UnsupportedError(f"{where}: quant_algo {algo} cannot be converted to a "
-                                   "TensorRT-LLM checkpoint here",
-                                   f"supported: {', '.join(ALGOS)}")
-        if kv is not None and kv not in KV_ALGOS:
-            raise UnsupportedError(f"{where}: kv_cache_quant_algo {kv} is not supported")
-        return cls(algo, kv, int(q.get("group_size") or GROUP),
-                   tuple(q.get("exclude_modules") or ()))
-
-    def block(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The ``quantization`` block of the TensorRT-LLM config.json."""
-        from moepipe.trtllm.checkpoint_config import quant_block
-
-        kw: dict[str, Any] = {"exclude_modules": ["lm_head", "*router", "*shared_expert_gate",
-                                                  "*vocab_embedding"]}
-        if self.algo == AWQ:
-            kw.update(group_size=self.group_size, has_zero_point=False, pre_quant_scale=True)
-        return quant_block(self.algo, self.kv_algo, **kw)
+from moepipe.errors import MappingError
 
 
 def _module(weight: str) -> str:

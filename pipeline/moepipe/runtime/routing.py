@@ -12,21 +12,25 @@ from dataclasses import dataclass
 
 import torch
 
+from moepipe.arch.routing import NormalizationMode
 from moepipe.errors import UnsupportedError
-
-NONE, RENORMALIZE, SPARSE_MIXER, DEVICE_LIMITED, DEVICE_LIMITED_RENORM = range(5)
 
 
 @dataclass(frozen=True)
 class RoutingSpec:
     num_experts: int
     top_k: int
-    normalization_mode: int
+    normalization_mode: NormalizationMode
 
     @classmethod
     def from_trtllm(cls, moe: dict) -> RoutingSpec:
-        spec = cls(int(moe["num_experts"]), int(moe["top_k"]), int(moe["normalization_mode"]))
-        if spec.normalization_mode not in (NONE, RENORMALIZE):
+        try:
+            mode = NormalizationMode(int(moe["normalization_mode"]))
+        except ValueError:
+            raise UnsupportedError(f"moe.normalization_mode {moe['normalization_mode']} is not "
+                                   "a TensorRT-LLM routing mode") from None
+        spec = cls(int(moe["num_experts"]), int(moe["top_k"]), mode)
+        if spec.normalization_mode not in (NormalizationMode.NONE, NormalizationMode.RENORMALIZE):
             raise UnsupportedError(
                 f"moe.normalization_mode {spec.normalization_mode} is not implemented by the "
                 "reference runtime", "supported: 0 (NONE) and 1 (RENORMALIZE)")
@@ -45,10 +49,10 @@ def route(logits: torch.Tensor, spec: RoutingSpec) -> tuple[torch.Tensor, torch.
       with ``norm_topk_prob``).
     """
     logits = logits.float()
-    if spec.normalization_mode == RENORMALIZE:
+    if spec.normalization_mode == NormalizationMode.RENORMALIZE:
         values, ids = torch.topk(logits, spec.top_k, dim=-1)
         return ids, torch.softmax(values, dim=-1)
-    if spec.normalization_mode == NONE:
+    if spec.normalization_mode == NormalizationMode.NONE:
         probs = torch.softmax(logits, dim=-1)
         weights, ids = torch.topk(probs, spec.top_k, dim=-1)
         return ids, weights

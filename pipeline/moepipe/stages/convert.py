@@ -22,9 +22,10 @@ from typing import Any
 
 from moepipe import __version__
 from moepipe.arch.family import Family
+from moepipe.arch.hf import HFCheckpoint, open_hf_checkpoint
 from moepipe.arch.rules import ExpertsDown, ExpertsGatedPair, RankContext, Rule, SliceRef, Zeros
 from moepipe.arch.spec import ModelSpec
-from moepipe.checkpoints.hf import HFCheckpoint, open_hf_checkpoint
+from moepipe.checkpoints.modelopt import QuantInfo
 from moepipe.checkpoints.st_io import (
     BF16,
     F16,
@@ -38,9 +39,9 @@ from moepipe.checkpoints.st_io import (
 )
 from moepipe.config import MoepipeConfig
 from moepipe.errors import CheckpointError, ConfigError
-from moepipe.quant.trtllm import QuantInfo, quantized_rules
+from moepipe.quant.trtllm import quantized_rules
 from moepipe.stages.base import BuildContext, Stage, gib
-from moepipe.trtllm.checkpoint_config import build_config
+from moepipe.trtllm.checkpoint_config import build_config, quantization_block
 from moepipe.trtllm.mapping import Mapping, check_mapping
 from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
 from moepipe.utils.fs import atomic_dir
@@ -102,7 +103,7 @@ class Plan:
         return sum(t.dtype.itemsize * _numel(t.shape) for t in self.ranks[rank])
 
     def config(self) -> dict:
-        block = self.quant.block() if self.quant is not None else None
+        block = quantization_block(self.quant) if self.quant is not None else None
         return build_config(self.family, self.spec, self.mapping, self.dtype, block)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moepipe.checkpoints.hf import open_hf_checkpoint
+from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.config import MoepipeConfig
 from moepipe.stages.base import BuildContext, Stage
@@ -48,7 +48,7 @@ def inspect_checkpoint(path: str | Path, max_world_size: int = 8) -> Inspection:
         "top_k": spec.top_k,
         "expert_intermediate_size": spec.expert_intermediate_size,
         "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
-        "routing": {0: "softmax -> top-k (NONE)", 1: "top-k -> softmax (RENORMALIZE)"}[mode],
+        "routing": mode.description,
         "dtype": spec.torch_dtype,
         "parameters": {"total": total, "active_per_token": total - inactive},
         "bytes_by_dtype": dict(sorted(by_dtype.items())),

@@ -39,7 +39,7 @@ def measure_quality(source: Path, quantized: Path, checkpoint: Path | None,
     there is none) with the unquantized one on ``quantized/heldout.json``."""
     if checkpoint is not None:
         return _measure(source, quantized, checkpoint, trust_remote_code, step)
-    from moepipe.checkpoints.hf import open_hf_checkpoint
+    from moepipe.arch.hf import open_hf_checkpoint
     from moepipe.stages.convert import convert_into
     from moepipe.trtllm.mapping import Mapping
 

@@ -163,7 +163,7 @@ def _tool_output(log_path: Path | None):
 
 
 def _run_quantize(cfg: MoepipeConfig, source: Path, out: Path, echo, step) -> dict[str, Any]:
-    from moepipe.checkpoints.hf import open_hf_checkpoint
+    from moepipe.arch.hf import open_hf_checkpoint
 
     q = cfg.quantize
     check_environment(q.format)

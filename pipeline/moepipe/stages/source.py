@@ -43,7 +43,7 @@ def _files(cfg: MoepipeConfig) -> dict[str, Any]:
 
 def source_spec(ctx: BuildContext):
     """The source model's spec (None at dry-run time when the example is not written yet)."""
-    from moepipe.checkpoints.hf import open_hf_checkpoint
+    from moepipe.arch.hf import open_hf_checkpoint
 
     src = ctx.source_dir
     if src is None or not (src / "config.json").is_file():

@@ -9,12 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from moepipe import __version__
-from moepipe.arch.family import Family, Literal
+from moepipe.arch.family import Family, Fixed
 from moepipe.arch.spec import ModelSpec
+from moepipe.checkpoints.modelopt import AWQ, QuantInfo
 from moepipe.trtllm.mapping import Mapping
-
-NORMALIZATION_MODES = {0: "NONE", 1: "RENORMALIZE", 2: "SPARSE_MIXER", 3: "DEVICE_LIMITED",
-                       4: "DEVICE_LIMITED_RENORM"}
 
 
 def quant_block(quant_algo: str | None = None, kv_cache_quant_algo: str | None = None,
@@ -32,6 +30,16 @@ def quant_block(quant_algo: str | None = None, kv_cache_quant_algo: str | None =
     }
     block.update(extra)
     return block
+
+
+def quantization_block(info: QuantInfo) -> dict[str, Any]:
+    """The ``quantization`` block of a quantized checkpoint's config.json (modelopt's
+    unified checkpoint described by ``info``)."""
+    kw: dict[str, Any] = {"exclude_modules": ["lm_head", "*router", "*shared_expert_gate",
+                                              "*vocab_embedding"]}
+    if info.algo == AWQ:
+        kw.update(group_size=info.group_size, has_zero_point=False, pre_quant_scale=True)
+    return quant_block(info.algo, info.kv_algo, **kw)
 
 
 def build_config(family: Family, spec: ModelSpec, mapping: Mapping, dtype: str,
@@ -60,12 +68,12 @@ def build_config(family: Family, spec: ModelSpec, mapping: Mapping, dtype: str,
         "rotary_embedding_dim": spec.head_dim,
     }
     for key, source in family.trtllm_fields.items():
-        cfg[key] = source.value if isinstance(source, Literal) else getattr(spec, source)
+        cfg[key] = source.value if isinstance(source, Fixed) else getattr(spec, source)
     cfg["moe"] = {
         "num_experts": spec.num_experts,
         "shared_expert_intermediate_size": 0,
         "top_k": spec.top_k,
-        "normalization_mode": family.normalization_mode(spec),
+        "normalization_mode": int(family.normalization_mode(spec)),
         "sparse_mixer_epsilon": 0.01,
         "tp_mode": 0,
         "device_limited_n_group": 0,

@@ -94,7 +94,10 @@ class Mapping:
         return self.pp_rank(rank) == self.pp - 1
 
     def to_trtllm(self) -> dict:
-        """The ``mapping`` block of a TensorRT-LLM 1.2 checkpoint ``config.json``."""
+        """The ``mapping`` block of a TensorRT-LLM 1.2 checkpoint ``config.json``: exactly what
+        1.2's ``MappingBase.to_dict()`` writes, less ``rank`` (``tensorrt_llm/mapping.py``;
+        ``PretrainedConfig`` rebuilds it with ``Mapping(**mapping)``, so any other key - such as
+        0.x's ``auto_parallel`` - fails ``trtllm-build`` with a TypeError)."""
         return {
             "world_size": self.world_size,
             "gpus_per_node": 8,
@@ -104,10 +107,11 @@ class Mapping:
             "moe_tp_size": self.moe_tp,
             "moe_cluster_size": 1,
             "moe_ep_size": self.moe_ep,
-            "attn_tp_size": -1,
-            "attn_cp_size": -1,
+            "attn_tp_size": self.tp,  # tp x cp, as 1.2 resolves -1 (ulysses)
+            "attn_cp_size": 1,
             "cp_config": {},
-            "auto_parallel": False,
+            "enable_attention_dp": False,
+            "enable_lm_head_tp_in_adp": False,
         }
 
     @classmethod

@@ -16,7 +16,7 @@ import numpy as np
 
 from moepipe.config import MoepipeConfig
 from moepipe.deploy import client
-from moepipe.validate.report import JobResult, Skip
+from moepipe.validate.report import JobResult, Skip, check
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
 
@@ -35,7 +35,18 @@ class Endpoint:
         return bool(cfg.get("model_transaction_policy", {}).get("decoupled", False))
 
 
-def smoke(ep: Endpoint, cfg: MoepipeConfig, model_dir: Path | None) -> JobResult:
+@dataclass
+class JobContext:
+    """What a job gets: the endpoint, the config, and what the build produced."""
+
+    endpoint: Endpoint
+    cfg: MoepipeConfig
+    model_dir: Path | None = None  # the source Hugging Face checkpoint
+    checkpoint_dir: Path | None = None  # the converted TensorRT-LLM checkpoint (if any)
+
+
+def smoke(ctx: JobContext) -> JobResult:
+    ep, cfg = ctx.endpoint, ctx.cfg
     job = JobResult("smoke")
     prompt = cfg.validation.prompts[0]
 
@@ -56,9 +67,9 @@ def smoke(ep: Endpoint, cfg: MoepipeConfig, model_dir: Path | None) -> JobResult
         meta = ep.get("/v2/models/ensemble")
         inputs = {t["name"]: t["datatype"] for t in meta["inputs"]}
         outputs = {t["name"]: t["datatype"] for t in meta["outputs"]}
-        assert inputs.get("text_input") == "BYTES", f"text_input: {inputs.get('text_input')}"
-        assert inputs.get("max_tokens") == "INT32", f"max_tokens: {inputs.get('max_tokens')}"
-        assert outputs.get("text_output") == "BYTES", "no text_output output"
+        check(inputs.get("text_input") == "BYTES", f"text_input: {inputs.get('text_input')}")
+        check(inputs.get("max_tokens") == "INT32", f"max_tokens: {inputs.get('max_tokens')}")
+        check(outputs.get("text_output") == "BYTES", "no text_output output")
         config = ep.get("/v2/models/tensorrt_llm/config")
         return {"ensemble_inputs": sorted(inputs), "max_batch_size": config["max_batch_size"],
                 "decoupled": ep.decoupled()}
@@ -66,15 +77,15 @@ def smoke(ep: Endpoint, cfg: MoepipeConfig, model_dir: Path | None) -> JobResult
     def http_generate():
         out = client.generate(ep.http, "ensemble", {"text_input": prompt, "max_tokens": 4},
                               ep.timeout)
-        assert isinstance(out.get("text_output"), str) and out["text_output"], out
+        check(isinstance(out.get("text_output"), str) and out["text_output"], str(out))
         return {"text_output": out["text_output"]}
 
     def grpc_request():
         res = client.grpc_infer(ep.grpc, "ensemble", client.text_inputs(prompt, 4),
                                 ["text_output"], ep.timeout)
-        assert len(res.outputs) == 1, f"{len(res.outputs)} responses for stream=false"
+        check(len(res.outputs) == 1, f"{len(res.outputs)} responses for stream=false")
         text = res.outputs[0]["text_output"].reshape(-1)[0].decode()
-        assert text, "empty text_output"
+        check(text, "empty text_output")
         return {"text_output": text}
 
     def grpc_streaming():
@@ -82,7 +93,7 @@ def smoke(ep: Endpoint, cfg: MoepipeConfig, model_dir: Path | None) -> JobResult
             raise Skip("the deployment is not decoupled (deploy.decoupled: false)")
         res = client.grpc_infer(ep.grpc, "ensemble", client.text_inputs(prompt, 4, stream=True),
                                 ["text_output"], ep.timeout)
-        assert len(res.outputs) >= 2, f"expected one response per token, got {len(res.outputs)}"
+        check(len(res.outputs) >= 2, f"expected one response per token, got {len(res.outputs)}")
         return {"responses": len(res.outputs)}
 
     def http_generate_stream():
@@ -91,7 +102,7 @@ def smoke(ep: Endpoint, cfg: MoepipeConfig, model_dir: Path | None) -> JobResult
         events = client.generate_stream(ep.http, "ensemble",
                                         {"text_input": prompt, "max_tokens": 4, "stream": True},
                                         ep.timeout)
-        assert len(events) >= 2, f"expected one event per token, got {len(events)}"
+        check(len(events) >= 2, f"expected one event per token, got {len(events)}")
         return {"events": len(events)}
 
     checks: list[tuple[str, Callable]] = [
@@ -104,7 +115,8 @@ def smoke(ep: Endpoint, cfg: MoepipeConfig, model_dir: Path | None) -> JobResult
     return job
 
 
-def accuracy(ep: Endpoint, cfg: MoepipeConfig, model_dir: Path | None) -> JobResult:
+def accuracy(ctx: JobContext) -> JobResult:
+    ep, cfg, model_dir = ctx.endpoint, ctx.cfg, ctx.model_dir
     job = JobResult("accuracy")
     v = cfg.validation
     state: dict = {}
@@ -133,26 +145,27 @@ def accuracy(ep: Endpoint, cfg: MoepipeConfig, model_dir: Path | None) -> JobRes
     if v.min_token_agreement >= 1.0:
         job.run("ensemble_text", lambda: _text(ep, cfg, tok, hf, eos, v.prompts[0]))
     if cfg.target == "cpu" and cfg.quantize.format != "none":
-        job.run("deployed_checkpoint", lambda: _deployed(ep, cfg, tok, eos, v.prompts))
+        job.run("deployed_checkpoint", lambda: _deployed(ctx, tok, eos, v.prompts))
     return job
 
 
-def _deployed(ep, cfg, tok, eos, prompts) -> dict:
+def _deployed(ctx: JobContext, tok, eos, prompts) -> dict:
     """A quantized model is not expected to equal transformers token for token; what is
     served must still equal what was measured: greedy tokens of the reference runtime on the
     deployed (quantized, converted) checkpoint, exactly."""
-    from moepipe.commands.build import outputs
     from moepipe.runtime.checkpoint import load_checkpoint
     from moepipe.runtime.generate import generate
     from moepipe.runtime.model import ReferenceModel
 
-    ckpt = outputs(cfg)["convert"]
+    ep, cfg, ckpt = ctx.endpoint, ctx.cfg, ctx.checkpoint_dir
+    if ckpt is None:
+        raise FileNotFoundError("the converted checkpoint is not available")
     model = ReferenceModel(load_checkpoint(ckpt))
     for prompt in prompts:
         ids = tok(prompt, add_special_tokens=cfg.deploy.add_special_tokens).input_ids
         want = generate(model, [ids], cfg.validation.max_tokens, end_id=eos)[0]
         got = _server_tokens(ep, cfg, ids, eos)
-        assert got == want, f"server {got} != reference runtime on {ckpt} {want}"
+        check(got == want, f"server {got} != reference runtime on {ckpt} {want}")
     return {"checkpoint": str(ckpt), "prompts": len(prompts)}
 
 
@@ -174,9 +187,9 @@ def _compare(ep, cfg, tok, hf, eos, prompt) -> dict:
     agreement = same / max(len(want), len(got), 1)
     details = {"prompt": prompt, "hf_tokens": want, "server_tokens": got,
                "agreement": round(agreement, 4)}
-    assert agreement >= cfg.validation.min_token_agreement, (
-        f"token agreement {agreement:.3f} < {cfg.validation.min_token_agreement} "
-        f"(hf {want} vs server {got})")
+    check(agreement >= cfg.validation.min_token_agreement,
+          f"token agreement {agreement:.3f} < {cfg.validation.min_token_agreement} "
+          f"(hf {want} vs server {got})")
     return details
 
 
@@ -199,9 +212,9 @@ def _text(ep, cfg, tok, hf, eos, prompt) -> dict:
     got = client.generate(ep.http, "ensemble",
                           {"text_input": prompt, "max_tokens": cfg.validation.max_tokens},
                           ep.timeout)["text_output"]
-    assert got == expected, f"ensemble text {got!r} != transformers {expected!r}"
+    check(got == expected, f"ensemble text {got!r} != transformers {expected!r}")
     return {"text": got}
 
 
-JOBS: dict[str, Callable[[Endpoint, MoepipeConfig, Path | None], JobResult]] = {
+JOBS: dict[str, Callable[[JobContext], JobResult]] = {
     "smoke": smoke, "accuracy": accuracy}

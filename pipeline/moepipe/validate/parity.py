@@ -57,7 +57,7 @@ def check_parity(hf_dir: str | Path, ckpt_dir: str | Path, prompts: list[str] | 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from moepipe.checkpoints.hf import open_hf_checkpoint
+    from moepipe.arch.hf import open_hf_checkpoint
     from moepipe.runtime.checkpoint import load_checkpoint
     from moepipe.runtime.generate import generate
     from moepipe.runtime.model import Batch, ReferenceModel

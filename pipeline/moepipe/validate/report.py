@@ -31,15 +31,15 @@ class JobResult:
         return all(c.status in ("passed", "skipped") for c in self.cases)
 
     def run(self, name: str, fn: Callable[[], dict | None]) -> Case:
-        """Run one check: returning details passes, AssertionError fails, other errors err."""
+        """Run one check: returning details passes, CheckFailed fails, other errors err."""
         start = time.perf_counter()
         try:
             details = fn() or {}
             case = Case(name, "passed", 0.0, details=details)
         except Skip as e:
             case = Case(name, "skipped", 0.0, str(e))
-        except AssertionError as e:
-            case = Case(name, "failed", 0.0, str(e) or "assertion failed")
+        except CheckFailed as e:
+            case = Case(name, "failed", 0.0, str(e))
         except Exception as e:  # the endpoint misbehaved or is unreachable
             case = Case(name, "error", 0.0, f"{type(e).__name__}: {e}")
         case.seconds = round(time.perf_counter() - start, 4)
@@ -49,6 +49,17 @@ class JobResult:
 
 class Skip(Exception):
     """A check that does not apply to this deployment."""
+
+
+class CheckFailed(Exception):
+    """A check found the deployment wrong (a failure, not an error of the endpoint)."""
+
+
+def check(condition: object, message: str) -> None:
+    """Fail the running check with ``message`` unless ``condition`` holds. (Not ``assert``:
+    ``python -O`` removes asserts, and every check would pass.)"""
+    if not condition:
+        raise CheckFailed(message)
 
 
 @dataclass

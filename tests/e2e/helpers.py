@@ -1,4 +1,4 @@
-"""Helpers for the integration tests: free loopback ports and deployment configs."""
+"""Helpers for the end-to-end tests: free loopback ports and deployment configs."""
 
 import socket
 

@@ -9,9 +9,9 @@ from typing import Any
 from moepipe.arch import get_family
 from moepipe.arch.family import Family
 from moepipe.arch.spec import ModelSpec
+from moepipe.checkpoints.modelopt import QuantInfo
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.errors import CheckpointError, UnsupportedError
-from moepipe.quant.trtllm import QuantInfo
 from moepipe.utils.fs import read_json
 
 
