@@ -9,7 +9,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
-FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+from moepipe.examples import family_examples  # noqa: E402
+
+FAMILIES = list(family_examples().values())  # one example per registered family
 
 
 def _has_gpu() -> bool:

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import typer
 
+from moepipe.config import field_help
 from moepipe.errors import MoepipeError
+from moepipe.examples import EXAMPLES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Mixture-of-Experts LLMs: Hugging Face checkpoint -> TensorRT-LLM -> "
                        "validated Triton deployment.")
 _state = {"debug": False}
-log = logging.getLogger("moepipe")
 
 ConfigOpt = typer.Option(None, "-c", "--config", help="Pipeline config (default ./moepipe.yaml).")
 
@@ -43,8 +44,7 @@ def _echo(text: str = "") -> None:
 
 
 @app.command()
-def example(name: str = typer.Argument(..., help="tiny-mixtral | tiny-mixtral-256 | "
-                                                 "tiny-qwen2-moe | tiny-qwen3-moe"),
+def example(name: str = typer.Argument(..., help=" | ".join(EXAMPLES)),
             out: Path = typer.Option(..., "--out", help="Folder to create."),
             overwrite: bool = typer.Option(False, "--overwrite")) -> None:
     """Write a seeded tiny random-weight checkpoint (HF format, with a real tokenizer)."""
@@ -69,12 +69,14 @@ def inspect_cmd(model: Path = typer.Argument(..., help="Hugging Face checkpoint 
 @app.command()
 def convert(model: Path = typer.Option(..., "--model", help="Hugging Face checkpoint folder."),
             output: Path = typer.Option(..., "--output", help="TensorRT-LLM checkpoint folder."),
-            dtype: str = typer.Option("auto", "--dtype",
-                                      help="auto | float32 | float16 | bfloat16"),
-            tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
-            moe_tp: int | None = typer.Option(None, "--moe-tp"),
-            moe_ep: int | None = typer.Option(None, "--moe-ep"),
-            workers: int = typer.Option(1, "--workers", help="Ranks converted in parallel."),
+            dtype: str = typer.Option("auto", "--dtype", help=field_help("model.dtype")),
+            tp: int = typer.Option(1, "--tp", help=field_help("parallel.tp")),
+            pp: int = typer.Option(1, "--pp", help=field_help("parallel.pp")),
+            moe_tp: int | None = typer.Option(None, "--moe-tp",
+                                              help=field_help("parallel.moe_tp")),
+            moe_ep: int | None = typer.Option(None, "--moe-ep",
+                                              help=field_help("parallel.moe_ep")),
+            workers: int = typer.Option(1, "--workers", help=field_help("convert.workers")),
             overwrite: bool = typer.Option(False, "--overwrite")) -> None:
     """Convert a Hugging Face MoE checkpoint into a sharded TensorRT-LLM checkpoint."""
     from moepipe.stages.convert import convert as run_convert
@@ -115,17 +117,17 @@ def parity(hf: Path = typer.Option(..., "--hf", help="Source Hugging Face checkp
 
 
 @app.command()
-def init(model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder."),
+def init(model: Path | None = typer.Option(None, "--model", help=field_help("model.path")),
          example_name: str | None = typer.Option(None, "--example",
-                                                    help="A built-in tiny example."),
-         target: str = typer.Option("cpu", "--target",
-                                    help="cpu | trtllm-engine | trtllm-pytorch"),
-         tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
-         moe_tp: int | None = typer.Option(None, "--moe-tp"),
-         moe_ep: int | None = typer.Option(None, "--moe-ep"),
-         quantize: str = typer.Option("none", "--quantize",
-                                      help="none | fp8 | int8_sq | int4_awq | w4a8_awq | nvfp4"),
-         kv_cache: str = typer.Option("none", "--kv-cache", help="none | fp8 | int8"),
+                                                    help=f"{field_help('model.example')} "
+                                                         f"(choices: {' | '.join(EXAMPLES)})"),
+         target: str = typer.Option("cpu", "--target", help=field_help("target")),
+         tp: int = typer.Option(1, "--tp", help=field_help("parallel.tp")),
+         pp: int = typer.Option(1, "--pp", help=field_help("parallel.pp")),
+         moe_tp: int | None = typer.Option(None, "--moe-tp", help=field_help("parallel.moe_tp")),
+         moe_ep: int | None = typer.Option(None, "--moe-ep", help=field_help("parallel.moe_ep")),
+         quantize: str = typer.Option("none", "--quantize", help=field_help("quantize.format")),
+         kv_cache: str = typer.Option("none", "--kv-cache", help=field_help("quantize.kv_cache")),
          force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
          config: Path = typer.Option(Path("moepipe.yaml"), "-c", "--config",
                                      help="File to write.")) -> None:

@@ -20,7 +20,6 @@ DEFAULT_PROMPTS = [
     "It was the best of times, it was the worst of times,",
     "A Lion lay asleep in the forest, his great head resting on his paws.",
 ]
-TARGETS = ("cpu", "trtllm-engine", "trtllm-pytorch")
 Target = Literal["cpu", "trtllm-engine", "trtllm-pytorch"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 
@@ -73,7 +72,7 @@ class CalibrationSection(Section):
     text_field: str = Field("text", description="The JSON-lines key holding the text.")
     samples: int = Field(32, ge=1, description="Calibration sequences.")
     seq_len: int = Field(64, ge=8, description="Tokens per calibration sequence.")
-    batch_size: int = Field(4, ge=1)
+    batch_size: int = Field(4, ge=1, description="Calibration sequences per forward pass.")
     eval_samples: int = Field(8, ge=1, description="Held-out sequences (after the calibration "
                                                    "ones) on which quality is measured.")
 
@@ -94,8 +93,10 @@ class QuantizeSection(Section):
     format: QuantFormat = Field("none", description="Weight/activation format (modelopt). "
                                                     "w4a8_awq and nvfp4 need a GPU.")
     kv_cache: KvCacheFormat = Field("none", description="KV-cache quantization.")
-    calibration: CalibrationSection = Field(default_factory=CalibrationSection)
-    quality: QualitySection = Field(default_factory=QualitySection)
+    calibration: CalibrationSection = Field(default_factory=CalibrationSection,
+                                            description="Calibration data.")
+    quality: QualitySection = Field(default_factory=QualitySection,
+                                    description="Quality gates of the quality stage.")
 
 
 class BuildSection(Section):
@@ -189,17 +190,19 @@ class DeploySection(Section):
     output: Path | None = Field(None, description="Deployment folder (default <workdir>/deploy):"
                                                   " model_repo/, tokenizer/, launch files.")
     host: str = Field("127.0.0.1", description="Address the server binds (loopback by default).")
-    http_port: int = Field(8000, ge=1, le=65535)
-    grpc_port: int = Field(8001, ge=1, le=65535)
-    metrics_port: int = Field(8002, ge=1, le=65535)
+    http_port: int = Field(8000, ge=1, le=65535, description="Triton HTTP port.")
+    grpc_port: int = Field(8001, ge=1, le=65535, description="Triton gRPC port.")
+    metrics_port: int = Field(8002, ge=1, le=65535, description="Prometheus metrics port.")
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for "
                                               "streaming; gRPC clients then use the stream API).")
     exclude_input_in_output: bool = Field(True, description="Return only generated tokens.")
     add_special_tokens: bool = Field(True, description="Tokenizer adds BOS/EOS like "
                                                        "tokenizer(text) does.")
-    skip_special_tokens: bool = Field(True)
+    skip_special_tokens: bool = Field(True, description="Detokenizer drops special tokens "
+                                                        "(BOS/EOS/PAD) from text_output.")
     accumulate_tokens: bool = Field(True, description="BLS streaming decodes all tokens so far.")
-    max_queue_delay_microseconds: int = Field(0, ge=0)
+    max_queue_delay_microseconds: int = Field(0, ge=0, description="How long Triton may hold "
+                                              "a request to batch it with others.")
     max_queue_size: int = Field(0, ge=0, description="0 = unlimited.")
     instance_count: int = Field(1, ge=1, description="Pre/postprocessing and BLS instances.")
     cpu_threads: int = Field(1, ge=1, description="torch threads of the cpu target's engine.")
@@ -221,25 +224,36 @@ class DeploySection(Section):
 class ValidateSection(Section):
     url: str | None = Field(None, description="HTTP endpoint (default: the local deployment).")
     grpc_url: str | None = Field(None, description="gRPC endpoint host:port.")
-    jobs: list[Literal["smoke", "accuracy"]] = Field(["smoke", "accuracy"])
-    prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1)
-    max_tokens: int = Field(16, ge=1)
+    jobs: list[Literal["smoke", "accuracy"]] = Field(["smoke", "accuracy"],
+                                                     description="Jobs `moepipe validate` runs.")
+    prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1,
+                               description="Prompts the smoke and accuracy jobs send.")
+    max_tokens: int = Field(16, ge=1, description="Tokens generated per validation request.")
     min_token_agreement: float = Field(
         1.0, ge=0, le=1, description="accuracy: fraction of greedy tokens that must equal "
                                      "Hugging Face's (1.0 = identical, right for float32).")
-    timeout_s: float = Field(120.0, gt=0)
+    timeout_s: float = Field(120.0, gt=0, description="Per-request timeout of validation "
+                                                      "requests, in seconds.")
 
 
 class MoepipeConfig(Section):
-    model: ModelSection
-    target: Target = Field("cpu", description="cpu | trtllm-engine | trtllm-pytorch")
-    parallel: ParallelSection = Field(default_factory=ParallelSection)
-    convert: ConvertSection = Field(default_factory=ConvertSection)
-    quantize: QuantizeSection = Field(default_factory=QuantizeSection)
-    build: BuildSection = Field(default_factory=BuildSection)
-    deploy: DeploySection = Field(default_factory=DeploySection)
+    model: ModelSection = Field(description="The model: a checkpoint folder or an example.")
+    target: Target = Field("cpu", description="Where the model is served: moepipe's runtime "
+                                              "in a local Triton (cpu), TensorRT engines, or "
+                                              "TensorRT-LLM's PyTorch backend.")
+    parallel: ParallelSection = Field(default_factory=ParallelSection,
+                                      description="Tensor / pipeline / expert parallel mapping.")
+    convert: ConvertSection = Field(default_factory=ConvertSection,
+                                    description="The checkpoint converter.")
+    quantize: QuantizeSection = Field(default_factory=QuantizeSection,
+                                      description="Post-training quantization (modelopt).")
+    build: BuildSection = Field(default_factory=BuildSection,
+                                description="Serving limits and trtllm-build options.")
+    deploy: DeploySection = Field(default_factory=DeploySection,
+                                  description="The Triton deployment.")
     # `validate` would shadow pydantic's BaseModel.validate; the YAML key is still `validate`.
-    validation: ValidateSection = Field(default_factory=ValidateSection, alias="validate")
+    validation: ValidateSection = Field(default_factory=ValidateSection, alias="validate",
+                                        description="Validation jobs against the endpoint.")
     workdir: Path = Field(Path("moepipe-work"), description="Where build outputs, logs and "
                                                              "reports go.")
 
@@ -285,6 +299,31 @@ class MoepipeConfig(Section):
     @property
     def deploy_dir(self) -> Path:
         return self.deploy.output or self.workdir / "deploy"
+
+
+def field_info(key: str) -> tuple[str, tuple[str, ...]]:
+    """(description, choices) of a dotted YAML key such as ``quantize.format``; choices are the
+    values a Literal field takes (empty for other fields). The CLI builds its help from this."""
+    import typing
+
+    model: type[BaseModel] = MoepipeConfig
+    field = None
+    for part in key.split("."):
+        field = _keys(model)[part]
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+    assert field is not None
+    literal = [a for a in (field.annotation, *typing.get_args(field.annotation))
+               if typing.get_origin(a) is Literal]
+    choices = tuple(str(c) for c in typing.get_args(literal[0])) if literal else ()
+    return field.description or "", choices
+
+
+def field_help(key: str) -> str:
+    """Help text of a CLI option that sets ``key``: its description and its choices."""
+    description, choices = field_info(key)
+    return f"{description} (choices: {' | '.join(choices)})" if choices else description
 
 
 def _line_of(text: str, loc: tuple) -> int | None:

@@ -143,3 +143,11 @@ def test_expert_loop_path_matches_dense_path(model, hf_models):
     finally:
         runtime_model.DENSE_LIMIT = limit
     assert (dense - ref).abs().max() <= 1e-4 and (loop - ref).abs().max() <= 1e-4
+
+
+def test_stop_answers_requests_still_in_the_incoming_queue(model):
+    e = Batcher(model, max_batch_size=3, max_seq_len=64, max_input_len=32)  # never started:
+    sinks = [run(e, prompt=p, max_new_tokens=4) for p in PROMPTS]  # all sit in the queue
+    e.stop()
+    for s in sinks:
+        assert s.done.is_set() and s.error == "the server is shutting down"

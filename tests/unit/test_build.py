@@ -195,3 +195,29 @@ def test_cli_build_quiet_prints_nothing(tmp_path):
                           env={**os.environ, "MOEPIPE_FAULT": ""})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "" and proc.stderr == ""
+
+
+def test_quantizing_a_checkpoint_without_tokenizer_is_refused_before_any_stage(tmp_path,
+                                                                               examples):
+    import shutil
+
+    pytest.importorskip("modelopt")
+    model = tmp_path / "model"
+    shutil.copytree(examples["tiny-mixtral"], model)
+    for f in model.glob("tokenizer*"):
+        f.unlink()
+    path = write_config(tmp_path, model={"path": str(model), "example": None},
+                        quantize={"format": "fp8"})
+    with pytest.raises(MoepipeError, match="no tokenizer files") as e:
+        build(path)
+    assert "save_pretrained" in e.value.hint
+    assert not (tmp_path / "work" / "artifacts").exists()
+
+
+def test_a_failed_link_leaves_no_temporary_link_behind(tmp_path):
+    path = write_config(tmp_path)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "checkpoint").mkdir()  # a folder of the user's where the link goes
+    with pytest.raises(MoepipeError, match="exists and is not a moepipe link"):
+        build(path)
+    assert not [p.name for p in (tmp_path / "work").iterdir() if ".link-" in p.name]

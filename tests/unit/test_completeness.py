@@ -8,10 +8,11 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from moepipe.arch import get_family
 from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.checkpoints.st_io import CheckpointReader
+from moepipe.examples import family_examples
 from moepipe.stages.convert import plan_conversion, unmapped_tensors
 from moepipe.trtllm.mapping import Mapping
 
-FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+FAMILIES = list(family_examples().values())  # one example per registered family
 
 # TensorRT-LLM's per-layer parameter names for each family (models/{llama,qwen}/model.py).
 LAYER_TENSORS = {

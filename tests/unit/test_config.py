@@ -73,3 +73,34 @@ def test_init_with_quantization_writes_the_quantize_section():
     assert "  format: int4_awq\n  kv_cache: fp8\n" in text
     # A quantized model is not expected to equal the unquantized one token for token.
     assert "min_token_agreement: 0.0" in text
+
+
+def _fields(model=None, prefix=""):
+    from pydantic import BaseModel
+
+    from moepipe.config import MoepipeConfig
+
+    model = model or MoepipeConfig
+    for name, field in model.model_fields.items():
+        key = prefix + (field.alias or name)
+        yield key, field
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _fields(ann, key + ".")
+
+
+def test_every_config_field_has_a_description():
+    missing = [key for key, field in _fields() if not (field.description or "").strip()]
+    assert missing == []
+
+
+def test_cli_help_lists_the_config_models_choices():
+    from typer.testing import CliRunner
+
+    from moepipe.cli import app
+    from moepipe.config import field_info
+
+    out = CliRunner().invoke(app, ["init", "--help"], terminal_width=400).output
+    for key in ("target", "quantize.format", "quantize.kv_cache"):
+        description, choices = field_info(key)
+        assert choices and all(c in out for c in choices), key

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
+from moepipe.examples import family_examples
 from moepipe.runtime.checkpoint import load_checkpoint
 from moepipe.runtime.generate import generate
 from moepipe.runtime.model import Batch, ReferenceModel
 from moepipe.stages.convert import convert
 
-FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+FAMILIES = list(family_examples().values())  # one example per registered family
 
 MAPPINGS = [(1, 1, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (4, 1, 2, 2), (2, 2, 1, 2), (4, 1, 1, 4)]
 PROMPTS = [[54, 260, 402, 305, 77, 445, 510, 271, 494, 12, 99, 300],

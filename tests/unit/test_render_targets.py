@@ -21,12 +21,13 @@ import yaml
 from moepipe.config import parse_config
 from moepipe.deploy.render import check_repository
 from moepipe.deploy.repository import render_deployment
+from moepipe.deploy.targets import TARGETS as REGISTERED_TARGETS
 from moepipe.deploy.targets import Artifacts
 from moepipe.errors import ConfigError, MappingError
 from moepipe.stages.convert import convert
 from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
 
-TARGETS = ["cpu", "trtllm-engine", "trtllm-pytorch"]
+TARGETS = sorted(REGISTERED_TARGETS)
 GOLDEN = Path(__file__).parents[1] / "golden"
 GOLDEN_SUFFIXES = (".pbtxt", ".yaml", ".sh")
 WORLD_SIZE = 2  # tp=2, moe_ep=2

@@ -55,3 +55,21 @@ def open_hf_checkpoint(path: str | Path) -> HFCheckpoint:
                                 str(path / "hf_quant_config.json"))
     spec = family.spec(config, str(path / "config.json"))
     return HFCheckpoint(path=path, config=config, family=family, spec=spec, quant=quant)
+
+
+# Files of a saved Hugging Face tokenizer (what AutoTokenizer reads, and what a deployment copies).
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model",
+                   "added_tokens.json", "chat_template*", "config.json",
+                   "generation_config.json")
+
+
+def tokenizer_files(path: Path) -> list[Path]:
+    """The tokenizer files of a checkpoint folder; a CheckpointError when it has no tokenizer
+    (no ``tokenizer*`` file): calibration and the deployments tokenize text."""
+    files = sorted({p for pattern in TOKENIZER_FILES for p in path.glob(pattern) if p.is_file()})
+    if not any(p.name.startswith("tokenizer") for p in files):
+        raise CheckpointError(f"{path}: no tokenizer files (tokenizer.json / "
+                              "tokenizer_config.json / tokenizer.model)",
+                              "moepipe tokenizes text (calibration, serving): save the "
+                              "tokenizer with the model (tokenizer.save_pretrained(folder))")
+    return files

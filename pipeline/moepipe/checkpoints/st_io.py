@@ -56,8 +56,6 @@ F32, F16, BF16 = DTYPES["F32"], DTYPES["F16"], DTYPES["BF16"]
 BY_TORCH_NAME: dict[str, DType] = {d.torch_name: d for d in DTYPES.values()}
 
 
-def dtype_of(tensor: torch.Tensor) -> DType:
-    return BY_TORCH_NAME[str(tensor.dtype).removeprefix("torch.")]
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER = 100 * 1024 * 1024
 _MAX_READ = 1 << 30
@@ -293,9 +291,6 @@ class CheckpointReader:
     def read_bytes(self, path: Path, offset: int, buf: memoryview) -> None:
         if len(buf):
             _pread_into(self._fd(path), buf, offset, path)
-
-    def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.files)
 
 
 class BufferPool:

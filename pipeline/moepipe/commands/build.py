@@ -40,7 +40,7 @@ from moepipe.utils.memory import available_memory
 
 MANIFEST = "build-manifest.json"
 STAGE_FILE = "moepipe-stage.json"
-log = logging.getLogger("moepipe.commands.build")
+log = logging.getLogger("moepipe")
 
 
 @contextlib.contextmanager

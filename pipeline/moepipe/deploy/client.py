@@ -74,9 +74,6 @@ def generate_stream(url: str, model: str, payload: dict, timeout: float = 60) ->
 class GrpcResult:
     outputs: list[dict[str, np.ndarray]] = field(default_factory=list)
 
-    def concat(self, name: str) -> np.ndarray:
-        return np.concatenate([o[name].reshape(-1) for o in self.outputs if name in o])
-
 
 _NP = {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32",
        np.dtype(np.bool_): "BOOL", np.dtype(np.uint64): "UINT64", np.dtype(object): "BYTES"}

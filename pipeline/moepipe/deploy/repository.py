@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from moepipe import __version__
+from moepipe.arch.hf import tokenizer_files
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.render import check_repository, render_tree, templates_root
 from moepipe.deploy.targets import TARGETS, Artifacts
@@ -19,9 +20,6 @@ from moepipe.deploy.targets.base import flag
 from moepipe.errors import MoepipeError
 from moepipe.utils.fs import atomic_dir
 
-TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model",
-                   "added_tokens.json", "chat_template*", "config.json",
-                   "generation_config.json")
 MANIFEST = "moepipe-deploy.json"
 
 
@@ -45,16 +43,8 @@ def common_values(cfg: MoepipeConfig, tokenizer_dir: Path, vocab_size: int) -> d
 
 def copy_tokenizer(model_dir: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
-    found = False
-    for pattern in TOKENIZER_FILES:
-        for path in model_dir.glob(pattern):
-            if path.is_file():
-                shutil.copy2(path, dst / path.name)
-                found = found or path.name.startswith("tokenizer")
-    if not found:
-        raise MoepipeError(f"{model_dir}: no tokenizer files (tokenizer.json / "
-                           "tokenizer_config.json)",
-                           "the deployment tokenizes text; save the tokenizer with the model")
+    for path in tokenizer_files(model_dir):
+        shutil.copy2(path, dst / path.name)
 
 
 def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True) -> Path:

@@ -60,6 +60,20 @@ EXAMPLES: dict[str, Example] = {
 }
 
 
+def family_examples() -> dict[str, str]:
+    """Registered architecture -> the first built-in example of that family (tests cover every
+    family through this; a family without an example is an error here)."""
+    from moepipe.arch import REGISTRY
+
+    found: dict[str, str] = {}
+    for name, ex in EXAMPLES.items():
+        found.setdefault(ex.config_class.removesuffix("Config") + "ForCausalLM", name)
+    missing = sorted(set(REGISTRY) - set(found))
+    if missing:
+        raise ConfigError(f"no built-in example for {', '.join(missing)}")
+    return {arch: found[arch] for arch in sorted(REGISTRY)}
+
+
 def corpus_text() -> str:
     """The small public-domain corpus shipped for tokenizers, prompts and calibration."""
     return resources.files("moepipe.examples").joinpath("corpus.txt").read_text()

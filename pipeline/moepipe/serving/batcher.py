@@ -60,8 +60,16 @@ class Batcher:
         self._incoming.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for req in self._waiting + self._running:
-            req.on_error("the server is shutting down")
+        queued = []  # submitted but never seen by the engine thread: they get an answer too
+        while True:
+            try:
+                item = self._incoming.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                queued.append(item)
+        for req in self._waiting + self._running + queued:
+            self._fail(req, "the server is shutting down")
 
     @property
     def active(self) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 from moepipe.config import MoepipeConfig
 
 Echo = Callable[[str], None]
-log = logging.getLogger("moepipe.build")
+log = logging.getLogger("moepipe")
 
 
 def fault_point(point: str) -> None:

@@ -364,8 +364,9 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
     res = convert_into(open_hf_checkpoint(ctx.model_dir), out, Mapping.of(ctx.cfg.parallel),
                        dtype=ctx.cfg.model.dtype, workers=ctx.cfg.convert.workers,
                        progress=ctx.step)
-    return {"world_size": res.plan.mapping.world_size, "dtype": res.plan.dtype,
-            "bytes": res.bytes_written}
+    world = res.plan.mapping.world_size
+    return {"world_size": world, "dtype": res.plan.dtype, "bytes": res.bytes_written,
+            "rank_bytes": [res.plan.rank_bytes(r) for r in range(world)]}
 
 
 def _memory(ctx: BuildContext) -> int:

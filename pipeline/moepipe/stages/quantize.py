@@ -292,6 +292,11 @@ def _preflight(ctx: BuildContext) -> None:
     spec = source_spec(ctx)
     if spec is not None:
         check_dimensions(ctx.cfg.quantize.format, spec)
+    source = ctx.source_dir
+    if source is not None and (source / "config.json").is_file():
+        from moepipe.arch.hf import tokenizer_files
+
+        tokenizer_files(source)  # calibration tokenizes text
 
 
 def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:

@@ -201,10 +201,7 @@ def check_engine_limits(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping,
     memory (:func:`engine_memory`) exceeds ``build.gpu_memory_gb``. Returns the estimate."""
     b, t = cfg.build, cfg.deploy.trtllm
     _check_flags(b)
-    if b.max_input_len >= b.max_seq_len:
-        raise ConfigError(f"build.max_input_len ({b.max_input_len}) must be smaller than "
-                          f"build.max_seq_len ({b.max_seq_len})",
-                          "max_seq_len counts the prompt and the generated tokens")
+    # max_input_len < max_seq_len is the config model's rule (config.BuildSection).
     if b.max_seq_len > spec.max_position_embeddings:
         raise ConfigError(f"build.max_seq_len ({b.max_seq_len}) exceeds the model's "
                           f"max_position_embeddings ({spec.max_position_embeddings})",

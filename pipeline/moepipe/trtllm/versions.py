@@ -53,12 +53,3 @@ _PINNED = _read_versions_env()
 TRTLLM_ENGINE_VERSION = _PINNED["TRTLLM_VERSION"]
 # NGC Triton container that ships TRTLLM_ENGINE_VERSION (Triton 26.04-26.07 ship 1.2.1).
 TRITON_TRTLLM_CONTAINER = _PINNED["TRITON_TRTLLM_IMAGE"]
-
-# Versions moepipe is tested with on CPU.
-TESTED = {
-    "torch": "2.13.0",
-    "transformers": "5.24.0",
-    "nvidia-modelopt": "0.47.0",
-    "nvidia-pytriton": "0.7.0",
-    "tritonclient": "2.73.0",
-}
