@@ -256,31 +256,49 @@ def validate(config: Path | None = ConfigOpt,
         raise typer.Exit(1)
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    _state["interrupted"] = True
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
+    """The console entry point: every user mistake is one line and exit 2; Ctrl-C is one
+    ``interrupted`` line and exit 130; anything else is a bug (traceback; ``--debug``)."""
+    import signal
+
+    # typer turns Ctrl-C into a silent exit 130; the handler marks it so that it can be said.
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted)
     try:
         # Without standalone mode click returns typer.Exit's code instead of exiting.
         code = app(args=argv, standalone_mode=False)
-        if isinstance(code, int) and code:
-            sys.exit(code)
     except MoepipeError as e:
+        _fail(e)
+    except OSError as e:  # a full, read-only or missing disk: the user's to fix
+        from moepipe.utils.oserrors import describe_os_error
+
         if _state["debug"]:
             raise
-        typer.echo(f"error: {e.message}" + (f" (hint: {e.hint})" if e.hint else ""), err=True)
-        if e.details:
-            typer.echo(e.details, err=True)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        sys.exit(130)
+        _fail(describe_os_error(e))
+    except (KeyboardInterrupt, typer.Abort):
+        code, _state["interrupted"] = 130, True
     except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except Exception as e:  # click usage errors carry their own exit code
-        import click
+        code = e.exit_code
+    except typer.TyperException as e:  # usage errors: typer raises its vendored click ones
+        cmd = getattr(getattr(e, "ctx", None), "command_path", None) or "moepipe"
+        _fail(MoepipeError(e.format_message(), f"see `{cmd} --help`"),
+              exit_code=getattr(e, "exit_code", 2) or 2)
+    if code == 130 and _state.get("interrupted"):
+        typer.echo("interrupted", err=True)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            typer.echo("aborted", err=True)
-            sys.exit(1)
-        raise
+
+def _fail(e: MoepipeError, exit_code: int | None = None) -> None:
+    """Print a user error as one line (and its details) and exit."""
+    if _state["debug"]:
+        raise e
+    typer.echo(f"error: {e.message}" + (f" (hint: {e.hint})" if e.hint else ""), err=True)
+    if e.details:
+        typer.echo(e.details, err=True)
+    sys.exit(exit_code or e.exit_code)

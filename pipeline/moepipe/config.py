@@ -10,9 +10,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from moepipe.errors import ConfigError
+from moepipe.utils.strictyaml import check_strict_scalar, decode_utf8, load_yaml
 
 DEFAULT_CONFIG = "moepipe.yaml"
 DEFAULT_PROMPTS = [
@@ -26,6 +36,14 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        """Integers and booleans are taken as written: ``tp: true`` or ``decoupled: 1`` are
+        refused instead of becoming 1 / True (pydantic's lax mode would convert them)."""
+        field = cls.model_fields.get(info.field_name or "")
+        return value if field is None else check_strict_scalar(field.annotation, value)
 
 
 class ModelSection(Section):
@@ -398,15 +416,30 @@ def parse_config(data: Any, source: str = "<config>", text: str | None = None) -
                           "fix the value or run `moepipe init --force` for a fresh file") from None
 
 
+def workdir_of(path: str | Path | None = None) -> Path | None:
+    """The workdir a config file names, read loosely (to stop a deployment whose config has
+    become invalid since): its ``workdir:`` line, else the default."""
+    import re
+
+    path = Path(path or DEFAULT_CONFIG)
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"^workdir:[ \t]*['\"]?([^'\"#\n]+?)['\"]?[ \t]*(#.*)?$", text, re.M)
+    workdir = Path(m.group(1).strip()) if m else Path("moepipe-work")
+    return workdir if workdir.is_absolute() else path.resolve().parent / workdir
+
+
 def load_config(path: str | Path | None = None) -> MoepipeConfig:
     path = Path(path or DEFAULT_CONFIG)
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file",
                           "run `moepipe init --example tiny-mixtral` (or --model DIR) first, "
                           "or pass -c FILE")
-    text = path.read_text()
+    text = decode_utf8(path)
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text, str(path))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -184,6 +184,14 @@ class CheckpointReader:
                 raise CheckpointError(f"{index}: not a valid safetensors index (weight_map)",
                                       "the index file is corrupt") from None
             files = sorted(set(self._index.values()))
+            root = self.folder.resolve()
+            outside = [f for f in files if not isinstance(f, str)
+                       or not (self.folder / f).resolve().is_relative_to(root)]
+            if outside:
+                raise CheckpointError(f"{index}: shard path {outside[0]!r} points outside the "
+                                      "checkpoint folder",
+                                      "an index may only name shard files inside the folder "
+                                      "(the index is corrupt or was edited)")
             missing = [f for f in files if not (self.folder / f).is_file()]
             if missing:
                 raise CheckpointError(f"{self.folder}: shard(s) listed in {INDEX_FILE} are "

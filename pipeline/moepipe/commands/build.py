@@ -34,12 +34,20 @@ from moepipe import __version__
 from moepipe.config import MoepipeConfig, load_config
 from moepipe.errors import MoepipeError
 from moepipe.stages.base import BuildContext, Echo, Stage, fault_point
+from moepipe.stages.integrity import (
+    STAGE_FILE,
+    changed_output,
+    check_stage_disk,
+    read_record,
+    recorded_digests,
+    write_stage_record,
+)
 from moepipe.stages.registry import STAGES
 from moepipe.utils.fs import atomic_dir, write_text_atomic
 from moepipe.utils.memory import available_memory
+from moepipe.utils.oserrors import check_workdir, describe_os_error
 
 MANIFEST = "build-manifest.json"
-STAGE_FILE = "moepipe-stage.json"
 log = logging.getLogger("moepipe")
 
 
@@ -96,11 +104,13 @@ def artifact_dir(cfg: MoepipeConfig, stage: str, fp: str) -> Path:
     return cfg.workdir / "artifacts" / f"{stage}-{fp[:16]}"
 
 
-def _complete(path: Path, fp: str) -> bool:
-    try:
-        return json.loads((path / STAGE_FILE).read_text()).get("fingerprint") == fp
-    except (OSError, ValueError):
-        return False
+def _complete(path: Path, fp: str) -> tuple[bool, str | None]:
+    """(complete for ``fp`` and unchanged since, why a complete output cannot be reused)."""
+    record = read_record(path)
+    if record is None or record.get("fingerprint") != fp:
+        return False, None
+    changed = changed_output(path, record)
+    return changed is None, changed
 
 
 @dataclass
@@ -110,6 +120,7 @@ class PlanEntry:
     output: Path
     cached: bool
     forced: bool = False
+    changed: str | None = None  # why a finished output cannot be reused (it was modified)
 
     @property
     def action(self) -> str:
@@ -134,12 +145,13 @@ def plan(cfg: MoepipeConfig, force: tuple[str, ...] = (),
         fp = fingerprint(stage, cfg, fps, extra)
         fps[stage.name] = fp
         in_place = stage.in_place(cfg) if stage.in_place is not None else None
+        changed = None
         if in_place is not None:
             out, cached = in_place, True  # the user's folder is used in place
         else:
             out = artifact_dir(cfg, stage.name, fp)
-            cached = _complete(out, fp)
-        entries.append(PlanEntry(stage, fp, out, cached, stage.name in force))
+            cached, changed = _complete(out, fp)
+        entries.append(PlanEntry(stage, fp, out, cached, stage.name in force, changed))
         if stage.name == until:
             break
     return entries
@@ -182,19 +194,13 @@ def _link(cfg: MoepipeConfig, stage: Stage, target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _output_digests(path: Path) -> dict[str, str]:
-    from moepipe.checkpoints.hashcache import file_sha256
-
-    return {str(p.relative_to(path)): file_sha256(p) for p in sorted(path.rglob("*"))
-            if p.is_file() and p.name != STAGE_FILE}
-
-
 def run_build(config: Path | None, echo: Echo = print, force: tuple[str, ...] = (),
               dry_run: bool = False, until: str | None = None,
               progress: bool | None = None) -> dict:
     """Build what ``config`` needs. ``progress``: live progress lines (default: when stderr
     is a terminal)."""
     cfg = load_config(config)
+    check_workdir(cfg.workdir)
     if dry_run:
         return print_plan(cfg, force, echo, until)
     if progress is None:
@@ -230,16 +236,20 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
             status = "reused"
             ctx.details[name] = _stage_details(entry)
         else:
+            if entry.changed:
+                echo(f"{name:9} {entry.output.name}: {entry.changed}; building it again")
             ctx.stage, ctx.steps = name, 0
             check_host_memory(ctx, entry.stage)
+            needed = check_stage_disk(ctx, entry.stage, entry.output)
             entry.output.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_dir(entry.output, overwrite=True) as tmp, \
-                    live_status(progress, name) as ctx.status:
-                details = entry.stage.run(ctx, tmp) or {}
-                fault_point(name)
-                (tmp / STAGE_FILE).write_text(json.dumps(
-                    {"stage": name, "fingerprint": entry.fingerprint, "details": details},
-                    indent=2, sort_keys=True, default=str) + "\n")
+            try:
+                with atomic_dir(entry.output, overwrite=True) as tmp, \
+                        live_status(progress, name) as ctx.status:
+                    details = entry.stage.run(ctx, tmp) or {}
+                    fault_point(name)
+                    write_stage_record(tmp, name, entry.fingerprint, details)
+            except OSError as e:  # a disk that filled up (or went read-only) mid-stage
+                raise describe_os_error(e, needed) from None
             ctx.details[name] = details
             status = "built"
         ctx.add(entry.stage, entry.output)
@@ -255,7 +265,7 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
         if entry.stage.check is not None:
             entry.stage.check(cfg, ctx.details[name])
     for rec in records:  # digests last: a build that only reuses stages hashes nothing new
-        rec["sha256"] = _output_digests(Path(rec["output"]))
+        rec["sha256"] = recorded_digests(Path(rec["output"]))
     return _write_manifest(cfg, records, started, finished=True)
 
 
@@ -303,6 +313,10 @@ def outputs(cfg: MoepipeConfig, optional: tuple[str, ...] = ()) -> dict[str, Pat
     out = {}
     for entry in plan(cfg):
         if not entry.cached:
+            if entry.changed:
+                raise MoepipeError(f"the {entry.stage.name} output {entry.output} no longer "
+                                   f"matches what the build recorded: {entry.changed}",
+                                   "run `moepipe build` to build it again")
             if entry.stage.name in optional:
                 continue
             raise MoepipeError(f"the {entry.stage.name} stage is not built for the config as "

@@ -89,6 +89,7 @@ class Stage:
     estimate: Callable[[BuildContext], dict[str, Any]] | None = None  # plan: memory, command
     memory: Callable[[BuildContext], int] | None = None  # peak host bytes (pre-flight)
     memory_hint: str = "use a machine with more memory"
+    disk: Callable[[BuildContext], int] | None = None  # bytes its output takes (pre-flight)
     # Checks of the machine and the config made before the build runs any stage (fail fast).
     preflight: Callable[[BuildContext], None] | None = None
     # Gates on a finished stage's details, applied whenever a build or deploy reads it.

@@ -187,6 +187,23 @@ def _validate_sources(reader: AliasReader, expected: dict[str, tuple[int, ...]])
                                   "config.json and the weights disagree (wrong config?)")
 
 
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+def check_float_sources(names: set[str], reader: CheckpointReader) -> None:
+    """Every weight an unquantized conversion reads must be stored as a float: a header that
+    relabels a tensor (F32 called I32: same bytes, so the sizes still agree) is caught here,
+    while planning, before anything is written."""
+    for name in sorted(names):
+        info = reader.info(name)
+        if info.dtype.name not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{info.file}: tensor '{name}' is stored as {info.dtype.name}; the weights of an "
+                f"unquantized checkpoint are {', '.join(FLOAT_DTYPES)}",
+                "the shard's header mislabels the tensor (the file is corrupt); re-download "
+                "or re-save the shard")
+
+
 def unmapped_tensors(plan: Plan, names, family: Family) -> list[str]:
     """HF tensors the plan neither reads nor explicitly drops."""
     dropped = [re.compile(p) for p in family.dropped]
@@ -235,6 +252,8 @@ def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: s
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     with ckpt.reader() as reader:
         plan = plan_conversion(ckpt.family, ckpt.spec, mapping, dtype, reader, ckpt.quant)
+        if ckpt.quant is None:
+            check_float_sources(plan.sources, reader)
         extra = unmapped_tensors(plan, reader.tensors, ckpt.family)
         if extra:
             raise CheckpointError(
@@ -377,8 +396,23 @@ def _memory(ctx: BuildContext) -> int:
     return convert_memory(source, Mapping.of(ctx.cfg.parallel))
 
 
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _disk(ctx: BuildContext) -> int:
+    """Bytes the output takes: the source's weights, scaled when the dtype changes."""
+    source = ctx.model_dir
+    total = sum(p.stat().st_size for p in source.glob("*.safetensors"))
+    ratio = 1.0
+    if ctx.cfg.model.dtype != "auto" and ctx.cfg.quantize.format == "none" \
+            and (source / "config.json").is_file():
+        src = open_hf_checkpoint(source).spec.torch_dtype
+        ratio = _ITEMSIZE[ctx.cfg.model.dtype] / _ITEMSIZE.get(src, 2)
+    return int(total * ratio * 1.05) + (1 << 20)  # padded vocab, duplicated KV heads
+
+
 STAGE = Stage("convert", 1, applies=lambda cfg: cfg.target in ("cpu", "trtllm-engine"),
               settings=_settings, inputs=("source", "quantize"), tools=(), run=_run,
               estimate=lambda ctx: {"host memory (peak)": gib(_memory(ctx))}, memory=_memory,
               memory_hint="free memory, or use a smaller tp / moe_tp (column slices read whole "
-                          "tensors)", link="checkpoint")
+                          "tensors)", link="checkpoint", disk=_disk)

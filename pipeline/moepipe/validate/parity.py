@@ -64,9 +64,12 @@ def check_parity(hf_dir: str | Path, ckpt_dir: str | Path, prompts: list[str] | 
 
     hf_logging.disable_progress_bar()
     src = open_hf_checkpoint(hf_dir)  # validates the folder and the architecture first
+    # Safetensors only: a folder of pickles (pytorch_model.bin) is refused before
+    # transformers sees it (its loader would unpickle them).
+    src.reader().close()
     model = ReferenceModel(load_checkpoint(ckpt_dir))
     tok = AutoTokenizer.from_pretrained(src.path, trust_remote_code=trust_remote_code)
-    hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32,
+    hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, use_safetensors=True,
                                               trust_remote_code=trust_remote_code).eval()
     eos = src.spec.eos_token_id
     report = ParityReport(str(hf_dir), str(ckpt_dir), tolerance)
