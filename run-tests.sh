@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/bootstrap.sh
+scripts/install-test-tools.sh
 .venv/bin/python -m ruff check pipeline tests benchmarks model_repo
 exec .venv/bin/python -m pytest -ra "$@"

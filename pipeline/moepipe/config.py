@@ -239,11 +239,89 @@ class DeploySection(Section):
         return self
 
 
+class SloSection(Section):
+    """Service-level objectives the ``perf`` job checks at every load point (unset: measured
+    and reported, not enforced)."""
+
+    ttft_p99_ms: float | None = Field(None, gt=0, description="p99 time to first token.")
+    latency_p99_ms: float | None = Field(None, gt=0, description="p99 request latency.")
+    itl_p99_ms: float | None = Field(None, gt=0, description="p99 inter-token latency.")
+    min_output_tokens_per_s: float | None = Field(None, gt=0, description="Output tokens/s "
+                                                  "(the server's own counts).")
+    max_error_rate: float | None = Field(0.0, ge=0, le=1, description="Share of requests "
+                                         "rejected, failed or timed out.")
+
+
+class LoadSection(Section):
+    """moepipe's load driver, shared by the load jobs."""
+
+    max_tokens: int = Field(16, ge=1, description="Tokens generated per request.")
+    processes: int = Field(1, ge=1, description="Client processes (raise when one core "
+                                                "saturates: the jobs report client CPU).")
+    max_inflight: int = Field(128, ge=1, description="Open loop: requests in flight at most; "
+                                                     "more arrivals are counted as not sent.")
+    request_timeout_s: float = Field(30.0, gt=0, description="Per request.")
+
+
+class PerfSection(Section):
+    concurrency: list[int] = Field([1, 4], description="Closed-loop users per point.")
+    rates: list[float] = Field([4.0], description="Open-loop (Poisson) requests/s per point.")
+    requests: int = Field(24, ge=1, description="Requests per point (at most).")
+    duration_s: float = Field(20.0, gt=0, description="Seconds per point (at most).")
+
+
+class BurstSection(Section):
+    base_rate: float = Field(2.0, gt=0, description="Requests/s before and after the burst.")
+    factor: float = Field(5.0, ge=1, description="Burst rate = factor x base_rate.")
+    before_s: float = Field(6.0, gt=0, description="Seconds at base rate before the burst.")
+    burst_s: float = Field(6.0, gt=0, description="Seconds of the burst.")
+    after_s: float = Field(8.0, gt=0, description="Seconds at base rate after the burst.")
+    bin_s: float = Field(1.0, gt=0, description="Timeline resolution.")
+    tolerance: float = Field(1.5, ge=1, description="p99 counts as recovered within this "
+                                                    "factor of the pre-burst p99.")
+    max_recovery_s: float | None = Field(None, gt=0, description="Gate: seconds after the "
+                                         "burst until p99 is back within tolerance.")
+
+
+class LongTailSection(Section):
+    rate: float = Field(3.0, gt=0, description="Requests/s.")
+    duration_s: float = Field(8.0, gt=0, description="Seconds per phase (without, with).")
+    long_share: float = Field(0.1, gt=0, lt=1, description="Share of long prompts.")
+    long_prompt_tokens: int = Field(200, ge=8, description="Tokens of a long prompt (capped "
+                                                           "by build.max_input_len).")
+    max_short_p99_ratio: float | None = Field(None, ge=1, description="Gate: short-request "
+                                              "p99 with long prompts / without.")
+
+
+class BalanceSection(Section):
+    requests: int = Field(24, ge=1, description="Requests sent between the two scrapes.")
+    concurrency: int = Field(4, ge=1, description="Closed-loop users sending them.")
+    duration_s: float = Field(60.0, gt=0, description="Seconds of traffic at most.")
+    min_tokens: int = Field(500, ge=1, description="Layers that routed fewer tokens are not "
+                                                   "judged.")
+    max_std_over_mean: float | None = Field(None, gt=0, description="Gate per layer: std/mean "
+                                            "of the expert load (off by default: random-"
+                                            "weight models are not balanced).")
+
+
+class RecoverySection(Section):
+    kill: list[Literal["server", "backend"]] = Field(
+        ["server", "backend"], description="What is killed (SIGKILL), in turn.")
+    rate: float = Field(2.0, gt=0, description="Requests/s during the job.")
+    warmup_s: float = Field(3.0, gt=0, description="Load before the kill.")
+    after_s: float = Field(3.0, ge=0, description="Load after the deadline.")
+    max_seconds: float = Field(60.0, gt=0, description="Gate: kill -> first successful "
+                                                       "response.")
+
+
 class ValidateSection(Section):
     url: str | None = Field(None, description="HTTP endpoint (default: the local deployment).")
     grpc_url: str | None = Field(None, description="gRPC endpoint host:port.")
-    jobs: list[Literal["smoke", "accuracy"]] = Field(["smoke", "accuracy"],
-                                                     description="Jobs `moepipe validate` runs.")
+    metrics_url: str | None = Field(None, description="Prometheus metrics host:port (default: "
+                                                      "the local deployment's).")
+    jobs: list[Literal["smoke", "accuracy", "perf", "burst", "long-tail", "balance",
+                       "recovery"]] = Field(["smoke", "accuracy"],
+                                            description="Jobs `moepipe validate` runs.")
     prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1,
                                description="Prompts the smoke and accuracy jobs send.")
     max_tokens: int = Field(16, ge=1, description="Tokens generated per validation request.")
@@ -252,6 +330,18 @@ class ValidateSection(Section):
                                      "Hugging Face's (1.0 = identical, right for float32).")
     timeout_s: float = Field(120.0, gt=0, description="Per-request timeout of validation "
                                                       "requests, in seconds.")
+    slo: SloSection = Field(default_factory=SloSection, description="perf: latency and "
+                                                                    "throughput objectives.")
+    load: LoadSection = Field(default_factory=LoadSection, description="The load driver "
+                                                                       "of the load jobs.")
+    perf: PerfSection = Field(default_factory=PerfSection, description="perf: the sweep.")
+    burst: BurstSection = Field(default_factory=BurstSection, description="burst: the step.")
+    long_tail: LongTailSection = Field(default_factory=LongTailSection,
+                                       description="long-tail: the long-prompt mix.")
+    balance: BalanceSection = Field(default_factory=BalanceSection,
+                                    description="balance: traffic and the expert-load gate.")
+    recovery: RecoverySection = Field(default_factory=RecoverySection,
+                                      description="recovery: kills and the time gate.")
 
 
 class MoepipeConfig(Section):

@@ -20,14 +20,18 @@ def endpoint_for(cfg: MoepipeConfig, url: str | None, grpc_url: str | None) -> E
         http = st["http"] if st.get("running") else f"{cfg.deploy.host}:{cfg.deploy.http_port}"
     if grpc is None:
         grpc = st["grpc"] if st.get("running") else f"{cfg.deploy.host}:{cfg.deploy.grpc_port}"
+    metrics = cfg.validation.metrics_url or (
+        st["metrics"] if st.get("running") else f"{cfg.deploy.host}:{cfg.deploy.metrics_port}")
     http = http.removeprefix("http://").removeprefix("https://").rstrip("/")
-    return Endpoint(http=http, grpc=grpc, timeout=cfg.validation.timeout_s)
+    return Endpoint(http=http, grpc=grpc, timeout=cfg.validation.timeout_s,
+                    metrics=metrics.removeprefix("http://").rstrip("/"))
 
 
 def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | None = None,
                  jobs: list[str] | None = None,
                  echo: Callable[[str], None] = print) -> tuple[Report, tuple]:
     from moepipe.commands.build import model_dir, outputs
+    from moepipe.commands.deploy import state_dir
     from moepipe.errors import MoepipeError
 
     ep = endpoint_for(cfg, url, grpc_url)
@@ -39,7 +43,7 @@ def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | Non
         checkpoint = outputs(cfg).get("convert")
     except MoepipeError:
         checkpoint = None
-    ctx = JobContext(ep, cfg, source, checkpoint)
+    ctx = JobContext(ep, cfg, source, checkpoint, state_dir(cfg))
     report = Report(target=cfg.target, endpoint={"http": ep.http, "grpc": ep.grpc})
     for name in jobs or cfg.validation.jobs:
         job = JOBS[name](ctx)
@@ -50,5 +54,5 @@ def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | Non
                  + (f": {case.message}" if case.message else ""))
     paths = report.write(cfg.workdir / "reports")
     echo(f"validate {'PASSED' if report.passed else 'FAILED'} against http {ep.http}, grpc "
-         f"{ep.grpc}; reports: {paths[0]}, {paths[1]}")
+         f"{ep.grpc}; reports: {', '.join(str(p) for p in paths)}")
     return report, paths

@@ -1,5 +1,8 @@
 """Validation jobs: each is a function (endpoint, config) -> JobResult of named checks.
 
+The jobs under load (``perf``, ``burst``, ``long-tail``, ``balance``, ``recovery``) live in
+their own modules; this one holds the correctness jobs and the registry.
+
 * ``smoke``: health, readiness of every model, metadata/config, one request per protocol
   (HTTP generate, gRPC, gRPC streaming, HTTP generate_stream) through the ensemble.
 * ``accuracy``: greedy tokens of the deployment (its ``tensorrt_llm`` model, fed the token ids
@@ -16,6 +19,7 @@ import numpy as np
 
 from moepipe.config import MoepipeConfig
 from moepipe.deploy import client
+from moepipe.validate import balance, loadjobs, recovery
 from moepipe.validate.report import JobResult, Skip, check
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -26,6 +30,7 @@ class Endpoint:
     http: str  # host:port
     grpc: str
     timeout: float = 120.0
+    metrics: str | None = None  # host:port of the Prometheus metrics endpoint
 
     def get(self, path: str) -> dict:
         return client.http_json(self.http, path, timeout=self.timeout)
@@ -43,6 +48,7 @@ class JobContext:
     cfg: MoepipeConfig
     model_dir: Path | None = None  # the source Hugging Face checkpoint
     checkpoint_dir: Path | None = None  # the converted TensorRT-LLM checkpoint (if any)
+    state_dir: Path | None = None  # the local server's state (pid file), for `recovery`
 
 
 def smoke(ctx: JobContext) -> JobResult:
@@ -217,4 +223,6 @@ def _text(ep, cfg, tok, hf, eos, prompt) -> dict:
 
 
 JOBS: dict[str, Callable[[JobContext], JobResult]] = {
-    "smoke": smoke, "accuracy": accuracy}
+    "smoke": smoke, "accuracy": accuracy, "perf": loadjobs.perf, "burst": loadjobs.burst,
+    "long-tail": loadjobs.long_tail, "balance": balance.balance,
+    "recovery": recovery.recovery}

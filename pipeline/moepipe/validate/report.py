@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moepipe.utils.fs import write_text_atomic
+from moepipe.validate.html import render
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Case:
 class JobResult:
     job: str
     cases: list[Case] = field(default_factory=list)
+    data: dict = field(default_factory=dict)  # figures the HTML report draws
 
     @property
     def passed(self) -> bool:
@@ -77,7 +79,8 @@ class Report:
         return {"passed": self.passed, "target": self.target, "endpoint": self.endpoint,
                 "started": self.started,
                 "jobs": [{"job": j.job, "passed": j.passed,
-                          "cases": [asdict(c) for c in j.cases]} for j in self.jobs]}
+                          "cases": [asdict(c) for c in j.cases], "data": j.data}
+                         for j in self.jobs]}
 
     def junit(self) -> str:
         root = ET.Element("testsuites", name="moepipe validate")
@@ -106,9 +109,13 @@ class Report:
         ET.indent(root)
         return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
-    def write(self, folder: Path) -> tuple[Path, Path]:
+    def write(self, folder: Path) -> tuple[Path, Path, Path]:
+        """validate.json, validate.junit.xml and the self-contained validate.html."""
         folder.mkdir(parents=True, exist_ok=True)
         js, xml = folder / "validate.json", folder / "validate.junit.xml"
-        write_text_atomic(js, json.dumps(self.to_dict(), indent=2) + "\n")
+        page = folder / "validate.html"
+        data = self.to_dict()
+        write_text_atomic(js, json.dumps(data, indent=2) + "\n")
         write_text_atomic(xml, self.junit())
-        return js, xml
+        write_text_atomic(page, render(data))
+        return js, xml, page

@@ -1,0 +1,340 @@
+"""moepipe's load driver: asyncio gRPC streaming requests against a Triton text endpoint.
+
+One gRPC stream per request (a new HTTP/2 stream on one shared channel), so every response and
+every error belongs to its request without relying on ids. Each request records when it was
+sent, each token response, the final response and the server's own output-token count
+(``num_output_tokens``; re-tokenizing the text of a random-weight model does not give it).
+
+Two ways to load a server, both bounded by a request count and a deadline:
+
+* closed loop (``concurrency``): N users, each sends its next request when the last one ended;
+* open loop (``schedule``): Poisson arrivals at piecewise-constant rates (steps, bursts); a
+  request that would exceed ``max_inflight`` is counted as ``not_sent`` rather than queued on
+  the client, so a slow server cannot turn into an unbounded client backlog.
+
+``processes > 1`` splits the load across that many processes (a saturated client would be
+mistaken for a slow server); every process reports its CPU time, and the result says how busy
+the busiest client process was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import resource
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+# Request outcomes. "rejected": the server refused it as busy (bounded queue); "failed": any
+# other server or transport error; "timeout": no final response within the per-request limit;
+# "not_sent": the client's own in-flight limit (open loop only).
+OUTCOMES = ("ok", "rejected", "failed", "timeout", "not_sent")
+BUSY_MARKERS = ("exceeds maximum queue size", "server is busy", "busy:", "resource_exhausted")
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it; times are seconds since the run started."""
+
+    kind: str
+    sent: float
+    status: str = "failed"
+    first: float | None = None  # first response carrying tokens
+    done: float | None = None  # final response, error or timeout
+    tokens: int = 0  # the server's num_output_tokens
+    responses: int = 0
+    error: str = ""
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.done is None or self.status != "ok" else self.done - self.sent
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None or self.status != "ok" else self.first - self.sent
+
+    @property
+    def itl(self) -> float | None:
+        """Mean inter-token latency (AIPerf's definition: (latency - TTFT) / (tokens - 1))."""
+        if self.status != "ok" or self.first is None or self.tokens < 2:
+            return None
+        return (self.done - self.first) / (self.tokens - 1)
+
+
+@dataclass
+class Prompt:
+    kind: str  # "short" | "long" (long-tail job) or any label
+    text: str
+    max_tokens: int
+
+
+@dataclass
+class LoadPlan:
+    """What to send. Exactly one of ``concurrency`` or ``schedule`` is set."""
+
+    grpc_url: str
+    prompts: list[Prompt]
+    model: str = "ensemble"
+    concurrency: int | None = None
+    schedule: list[tuple[float, float]] | None = None  # (seconds, requests per second)
+    max_requests: int = 1000
+    duration_s: float = 60.0  # hard deadline for sending; in-flight requests then drain
+    timeout_s: float = 30.0  # per request
+    max_inflight: int = 256
+    seed: int = 0
+    processes: int = 1
+
+
+@dataclass
+class LoadResult:
+    samples: list[Sample]
+    wall_s: float
+    client_cpu_s: list[float] = field(default_factory=list)  # per client process
+    client_wall_s: list[float] = field(default_factory=list)
+    t0: float = 0.0  # time.monotonic() of the samples' time 0
+
+    @property
+    def client_cpu_max(self) -> float:
+        """CPU use of the busiest client process as a fraction of one core."""
+        return max((c / w for c, w in zip(self.client_cpu_s, self.client_wall_s, strict=True)
+                    if w > 0), default=0.0)
+
+
+def _bytes_tensor(values: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(v)) + v for v in values)
+
+
+def _request(pb, model: str, rid: str, prompt: Prompt):
+    """A ModelInferRequest for the ensemble's text contract, streaming, counting tokens."""
+    req = pb.ModelInferRequest(model_name=model, id=rid)
+    spec = [("text_input", "BYTES", _bytes_tensor([prompt.text.encode()])),
+            ("max_tokens", "INT32", np.array([prompt.max_tokens], np.int32).tobytes()),
+            ("stream", "BOOL", b"\x01"),
+            ("return_num_output_tokens", "BOOL", b"\x01")]
+    for name, dtype, raw in spec:
+        t = req.inputs.add()
+        t.name, t.datatype = name, dtype
+        t.shape.extend([1, 1])
+        req.raw_input_contents.append(raw)
+    for name in ("text_output", "num_output_tokens"):
+        req.outputs.add().name = name
+    # Decoupled models may end with an empty response that only carries the final flag.
+    req.parameters["triton_enable_empty_final_response"].bool_param = True
+    return req
+
+
+def classify(message: str) -> str:
+    low = message.lower()
+    return "rejected" if any(m in low for m in BUSY_MARKERS) else "failed"
+
+
+class _Client:
+    def __init__(self, url: str, model: str, timeout_s: float, t0: float):
+        import grpc
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        self.pb = service_pb2
+        self.channel = grpc.aio.insecure_channel(
+            url, options=[("grpc.max_receive_message_length", 64 << 20),
+                          # a restarted server is found again within half a second
+                          ("grpc.initial_reconnect_backoff_ms", 100),
+                          ("grpc.min_reconnect_backoff_ms", 100),
+                          ("grpc.max_reconnect_backoff_ms", 500)])
+        self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.model, self.timeout_s, self.t0 = model, timeout_s, t0
+        self.ids = itertools.count()
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def send(self, prompt: Prompt) -> Sample:
+        s = Sample(prompt.kind, self.now())
+        finished = asyncio.Event()
+        req = _request(self.pb, self.model, f"moepipe-{next(self.ids)}", prompt)
+
+        async def requests():
+            yield req
+            await finished.wait()  # keep the stream open until the final response
+
+        call = self.stub.ModelStreamInfer(requests())
+        try:
+            await asyncio.wait_for(self._read(call, s), self.timeout_s)
+        except asyncio.TimeoutError:
+            s.status, s.error = "timeout", f"no final response within {self.timeout_s:g}s"
+            call.cancel()
+        except Exception as e:  # transport: connection refused, server gone, stream reset
+            detail = e.details() if hasattr(e, "details") else str(e)
+            s.status, s.error = classify(str(detail)), f"{type(e).__name__}: {detail}"
+        finally:
+            finished.set()
+        if s.done is None:
+            s.done = self.now()
+        return s
+
+    async def _read(self, call, s: Sample) -> None:
+        async for msg in call:
+            now = self.now()
+            if msg.error_message:
+                s.status, s.error, s.done = classify(msg.error_message), msg.error_message, now
+                return
+            r = msg.infer_response
+            s.responses += 1
+            for i, out in enumerate(r.outputs):
+                raw = r.raw_output_contents[i] if i < len(r.raw_output_contents) else b""
+                if out.name == "text_output" and len(raw) > 4 and s.first is None:
+                    s.first = now
+                elif out.name == "num_output_tokens" and len(raw) >= 4:
+                    s.tokens = max(s.tokens, int(np.frombuffer(raw, np.int32)[0]))
+            final = r.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                s.status, s.done = "ok", now
+                return
+        s.status, s.error, s.done = "failed", "the stream ended without a final response", \
+            self.now()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def _prompt_cycle(prompts: list[Prompt], seed: int):
+    rng = random.Random(seed)
+    order = list(prompts)
+    while True:
+        rng.shuffle(order)
+        yield from order
+
+
+async def _closed(plan: LoadPlan, client: _Client, deadline: float) -> list[Sample]:
+    samples: list[Sample] = []
+    prompts = _prompt_cycle(plan.prompts, plan.seed)
+    budget = itertools.count()
+
+    async def user():
+        while client.now() < deadline and next(budget) < plan.max_requests:
+            samples.append(await client.send(next(prompts)))
+
+    await asyncio.gather(*(user() for _ in range(plan.concurrency or 1)))
+    return samples
+
+
+async def _open(plan: LoadPlan, client: _Client, deadline: float) -> list[Sample]:
+    rng = random.Random(plan.seed)
+    prompts = _prompt_cycle(plan.prompts, plan.seed + 1)
+    samples: list[Sample] = []
+    tasks: set[asyncio.Task] = set()
+    at, sent, start = 0.0, 0, 0.0
+    for seconds, rate in plan.schedule or []:
+        end = start + seconds
+        at = max(at, start)
+        while rate > 0 and sent < plan.max_requests:
+            at += rng.expovariate(rate)
+            if at >= end or at >= deadline:
+                break
+            delay = at - client.now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent += 1
+            prompt = next(prompts)
+            if len(tasks) >= plan.max_inflight:
+                samples.append(Sample(prompt.kind, client.now(), "not_sent", done=client.now(),
+                                      error=f"client in-flight limit {plan.max_inflight}"))
+                continue
+            task = asyncio.create_task(client.send(prompt))
+            tasks.add(task)
+            task.add_done_callback(lambda t: (tasks.discard(t), samples.append(t.result())))
+        start = end
+    if tasks:
+        await asyncio.gather(*tasks)
+    return samples
+
+
+def _run_one(plan: LoadPlan, t0: float) -> tuple[list[Sample], float, float]:
+    """Run a plan in this process; returns samples, CPU seconds and wall seconds."""
+    async def main():
+        await asyncio.sleep(max(0.0, t0 - time.monotonic()))
+        client = _Client(plan.grpc_url, plan.model, plan.timeout_s, t0)
+        try:
+            if plan.concurrency is not None:
+                return await _closed(plan, client, plan.duration_s)
+            return await _open(plan, client, plan.duration_s)
+        finally:
+            await client.close()
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    wall = time.monotonic()
+    samples = asyncio.run(main())
+    ru2 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)
+    return samples, cpu, time.monotonic() - wall
+
+
+
+
+
+def _share(plan: LoadPlan, i: int, n: int) -> LoadPlan:
+    """Process i's part of the load: 1/n of the users, rate and request budget."""
+    part = replace(plan, processes=1, seed=plan.seed + 7919 * i,
+                   max_requests=plan.max_requests // n + (i < plan.max_requests % n),
+                   max_inflight=max(1, plan.max_inflight // n))
+    if plan.concurrency is not None:
+        part.concurrency = plan.concurrency // n + (i < plan.concurrency % n)
+    else:
+        part.schedule = [(s, r / n) for s, r in plan.schedule or []]
+    return part
+
+
+def run_load(plan: LoadPlan) -> LoadResult:
+    """Run a plan to completion (it stops by itself: request budget, deadline, timeouts)."""
+    if (plan.concurrency is None) == (plan.schedule is None):
+        raise ValueError("a load plan needs exactly one of concurrency or schedule")
+    n = max(1, min(plan.processes, plan.concurrency or plan.processes))
+    start = time.monotonic()
+    if n == 1:
+        samples, cpu, wall = _run_one(plan, start)
+        return LoadResult(samples, time.monotonic() - start, [cpu], [wall], start)
+    # Worker processes are fresh interpreters fed their part of the plan as JSON: nothing of
+    # the caller's state (threads, gRPC channels, __main__) is forked or re-imported.
+    t0 = start + 2.0 + 0.5 * n  # every process starts on the same clock (CLOCK_MONOTONIC)
+    procs = [subprocess.Popen([sys.executable, "-m", "moepipe.validate.load"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(n)]
+    for i, proc in enumerate(procs):
+        proc.stdin.write(json.dumps({"plan": asdict(_share(plan, i, n)), "t0": t0}))
+        proc.stdin.close()
+    limit = plan.duration_s + plan.timeout_s + 60
+    parts = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, t0 + limit - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise RuntimeError(f"a load process did not finish within {limit:.0f}s") from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"a load process failed (exit {proc.returncode})")
+        parts.append(json.loads(out))
+    samples = sorted((Sample(**s) for p in parts for s in p["samples"]), key=lambda s: s.sent)
+    return LoadResult(samples, time.monotonic() - t0, [p["cpu"] for p in parts],
+                      [p["wall"] for p in parts], t0)
+
+
+def _worker() -> None:
+    """``python -m moepipe.validate.load``: run the plan on stdin, print samples as JSON."""
+    job = json.loads(sys.stdin.read())
+    raw = job["plan"]
+    raw["prompts"] = [Prompt(**p) for p in raw["prompts"]]
+    if raw["schedule"] is not None:
+        raw["schedule"] = [tuple(x) for x in raw["schedule"]]
+    samples, cpu, wall = _run_one(LoadPlan(**raw), job["t0"])
+    sys.stdout.write(json.dumps({"samples": [asdict(s) for s in samples], "cpu": cpu,
+                                 "wall": wall}))
+
+
+if __name__ == "__main__":
+    _worker()

@@ -1,0 +1,139 @@
+"""``recovery``: kill a serving process under steady load and measure how service comes back.
+
+For each configured kill (``server``: the tritonserver process; ``backend``: the Python backend
+process of the ``tensorrt_llm`` model), under an open-loop load: the time until the server is
+ready again, the time until the first request sent after the kill succeeds, and the requests
+lost (failed or timed out) on the way. Bringing the process back is the supervisor's work
+(``moepipe deploy`` with a restart policy); the job only kills and watches. Gate:
+``validate.recovery.max_seconds`` (kill -> first successful response).
+
+Only for a local deployment this machine can signal (the job refuses a remote endpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from moepipe.deploy import server
+from moepipe.validate.load import run_load
+from moepipe.validate.loadjobs import plan, prompts_for
+from moepipe.validate.report import CheckFailed, JobResult, Skip, check
+from moepipe.validate.stats import timeline
+
+if TYPE_CHECKING:
+    from moepipe.validate.jobs import Endpoint, JobContext
+
+BACKEND_STUB = "triton_python_backend_stub"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def backend_pid(server_pid: int, model: str = "tensorrt_llm") -> int | None:
+    """PID of the Python backend stub serving ``model`` (its command line names the model's
+    folder), a child of the server."""
+    for pid in _children(server_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(BACKEND_STUB.encode()) and \
+                any(f"/{model}/".encode() in a or a.endswith(f"/{model}".encode())
+                    for a in argv[1:]):
+            return pid
+    return None
+
+
+def _ready(ep: Endpoint) -> bool:
+    try:
+        ep.get("/v2/health/ready")
+        ep.get("/v2/models/tensorrt_llm/ready")
+        return True
+    except Exception:  # down, restarting, or not ready yet
+        return False
+
+
+def recovery(ctx: JobContext) -> JobResult:
+    """Kill the server, then its model's backend process, under load; watch service return."""
+    ep, cfg = ctx.endpoint, ctx.cfg
+    job = JobResult("recovery")
+    rc = cfg.validation.recovery
+    job.data["runs"] = []
+
+    def local_pid() -> int:
+        st = server.read_state(ctx.state_dir) if ctx.state_dir else None
+        if st is None or f"{st.host}:{st.http_port}" != ep.http:
+            raise Skip(f"{ep.http} is not this workdir's local deployment: the job kills "
+                       "processes, so it runs only against `moepipe deploy`'s own server")
+        return st.pid
+
+    for kill in rc.kill:
+        def run(kill=kill):
+            pid = local_pid()
+            victim = pid if kill == "server" else backend_pid(pid)
+            if victim is None:
+                raise CheckFailed(f"no {BACKEND_STUB} process of tensorrt_llm under "
+                                     f"server pid {pid}")
+            total = rc.warmup_s + rc.max_seconds + rc.after_s
+            box: dict = {}
+            load = threading.Thread(target=lambda: box.setdefault("res", run_load(
+                plan(cfg, ep, prompts_for(cfg), schedule=[(total, rc.rate)],
+                     max_requests=int(rc.rate * total) + 8, duration_s=total))))
+            started = time.monotonic()
+            load.start()
+            time.sleep(rc.warmup_s)
+            killed_mono = time.monotonic()
+            killed_at = killed_mono - started
+            os.kill(victim, signal.SIGKILL)
+            ready_at = None
+            time.sleep(0.2)
+            while time.monotonic() - started < killed_at + rc.max_seconds + rc.after_s:
+                if _ready(ep):
+                    ready_at = time.monotonic() - started
+                    break
+                time.sleep(0.2)
+            load.join()
+            res = box["res"]
+            kill_t = killed_mono - res.t0  # on the samples' clock
+            after = [s for s in res.samples if s.sent >= kill_t]
+            first_ok = min((s.done for s in after if s.status == "ok"), default=None)
+            lost = [s for s in res.samples
+                    if s.status in ("failed", "timeout") and s.done is not None
+                    and s.done >= kill_t]
+            served = None if first_ok is None else round(first_ok - kill_t, 3)
+            row = {"kill": kill, "pid": victim, "killed_at": round(kill_t, 3),
+                   "time_to_ready_s": None if ready_at is None else round(ready_at - killed_at,
+                                                                          3),
+                   "time_to_first_success_s": served, "requests_lost": len(lost),
+                   "requests": len(res.samples),
+                   "served_at": None if first_ok is None else round(first_ok, 3),
+                   "timeline": timeline(res.samples, 1.0, res.wall_s)}
+            job.data["runs"].append(row)
+            details = {k: v for k, v in row.items() if k != "timeline"}
+            check(served is not None, (
+                f"no successful response within {rc.max_seconds:g}s after the {kill} was "
+                f"killed (ready: {row['time_to_ready_s']}); {len(lost)} requests lost"))
+            check(served <= rc.max_seconds, (
+                f"service back {served:g}s after the {kill} was killed > {rc.max_seconds:g}s "
+                f"(validate.recovery.max_seconds)"))
+            return details
+
+        job.run(f"kill_{kill}", run)
+    return job
