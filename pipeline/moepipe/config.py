@@ -421,7 +421,8 @@ def field_info(key: str) -> tuple[str, tuple[str, ...]]:
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             model = ann
-    assert field is not None
+    if field is None:
+        raise KeyError(key)
     literal = [a for a in (field.annotation, *typing.get_args(field.annotation))
                if typing.get_origin(a) is Literal]
     choices = tuple(str(c) for c in typing.get_args(literal[0])) if literal else ()

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -20,11 +19,9 @@ def moepipe(*args, cwd=None, check=False):
     return proc
 
 
-def test_help_is_instant_and_imports_nothing_heavy():
-    start = time.perf_counter()
+def test_help_works_and_imports_nothing_heavy():  # its speed: benchmarks/cli_bench.py
     proc = moepipe("--help")
     assert proc.returncode == 0 and "convert" in proc.stdout and "inspect" in proc.stdout
-    assert time.perf_counter() - start < 10
     code = ("import sys, moepipe.cli; "
             "print(sorted(m for m in ('torch','transformers','tritonclient') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from moepipe.checkpoints.st_io import F32, DType
 
@@ -70,7 +70,7 @@ class SliceRef:
     index: tuple = ()
 
 
-class Reader:
+class Reader(Protocol):
     """What rules see of the source checkpoint."""
 
     def has(self, name: str) -> bool: ...

@@ -40,12 +40,12 @@ class Mapping:
                 raise MappingError(f"{name} must be a positive integer, got {value!r}")
         if moe_tp is None and moe_ep is None:
             moe_tp, moe_ep = tp, 1
-        elif moe_tp is None:
+        elif moe_tp is None and moe_ep is not None:
             if tp % moe_ep:
                 raise MappingError(f"moe_ep={moe_ep} does not divide tp={tp}",
                                    "moe_tp * moe_ep must equal tp")
             moe_tp = tp // moe_ep
-        elif moe_ep is None:
+        elif moe_ep is None and moe_tp is not None:
             if tp % moe_tp:
                 raise MappingError(f"moe_tp={moe_tp} does not divide tp={tp}",
                                    "moe_tp * moe_ep must equal tp")
