@@ -49,6 +49,7 @@ def bench_server(grpc_url: str, prompts: list[str], max_tokens: int, concurrency
                 _, prompt = todo.pop()
             start = time.perf_counter()
             res = stream.infer("ensemble", client.text_inputs(prompt, max_tokens,
+                                                              exclude_input_in_output=True,
                                                               return_num_output_tokens=True),
                                ["text_output", "num_output_tokens"])
             elapsed = time.perf_counter() - start

@@ -213,7 +213,9 @@ class DeploySection(Section):
     metrics_port: int = Field(8002, ge=1, le=65535, description="Prometheus metrics port.")
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for "
                                               "streaming; gRPC clients then use the stream API).")
-    exclude_input_in_output: bool = Field(True, description="Return only generated tokens.")
+    exclude_input_in_output: bool = Field(False, description="Default of the request input of "
+                                          "that name: true returns only generated tokens "
+                                          "(TensorRT-LLM's default: false, the prompt too).")
     add_special_tokens: bool = Field(True, description="Tokenizer adds BOS/EOS like "
                                                        "tokenizer(text) does.")
     skip_special_tokens: bool = Field(True, description="Detokenizer drops special tokens "

@@ -1,7 +1,7 @@
 """A real tritonserver on loopback, started once for the test run and stopped by PID."""
 
 import pytest
-from helpers import make_config
+from helpers import free_ports, make_config
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +21,30 @@ def deployment(tmp_path_factory):
         yield cfg, endpoint_for(cfg, None, None)
     finally:
         server.stop(state_dir(cfg), grace=40)
+
+
+@pytest.fixture(scope="session")
+def deployment_not_decoupled(deployment):
+    """(config, endpoint) of the same build served with ``deploy.decoupled: false`` (unary
+    ModelInfer; no streaming, batch size 1) by a second server on other ports, rendered into
+    <workdir>/deploy-not-decoupled. Stopped by PID when the test run ends."""
+    from moepipe.commands.deploy import artifacts
+    from moepipe.commands.validate import endpoint_for
+    from moepipe.deploy import server
+    from moepipe.deploy.repository import render_deployment
+
+    cfg, _ = deployment
+    http, grpc, metrics = free_ports(3)
+    nd = cfg.model_copy(deep=True)
+    nd.deploy = nd.deploy.model_copy(update={
+        "decoupled": False, "output": cfg.workdir / "deploy-not-decoupled",
+        "http_port": http, "grpc_port": grpc, "metrics_port": metrics})
+    repo = render_deployment(nd, artifacts(nd))
+    state = cfg.workdir / "server-not-decoupled"
+    d = nd.deploy
+    server.start(repo, state, host=d.host, http_port=http, grpc_port=grpc,
+                 metrics_port=metrics, timeout=d.ready_timeout_s, exit_timeout=d.exit_timeout_s)
+    try:
+        yield nd, endpoint_for(nd, None, None)
+    finally:
+        server.stop(state, grace=40)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import upstream_contract as upstream
 import yaml
 
 from moepipe.config import parse_config
@@ -118,15 +119,55 @@ def test_ensemble_wires_to_the_targets_tensorrt_llm(deployments, target):
     assert wiring_problems(configs(deployments[target][0])) == []
 
 
-@pytest.mark.parametrize("target", ["trtllm-engine", "trtllm-pytorch"])
-def test_gpu_targets_serve_the_cpu_targets_tensor_contract(deployments, target):
-    """Same names, types, shapes and flags as the cpu target: clients switch targets freely."""
-    cpu_in, cpu_out = tensors(configs(deployments["cpu"][0])["tensorrt_llm"])
-    llm_in, llm_out = tensors(configs(deployments[target][0])["tensorrt_llm"])
-    assert {n: llm_in.get(n) for n in cpu_in} == cpu_in
-    assert {n: llm_out.get(n) for n in cpu_out} == cpu_out
-    if target == "trtllm-pytorch":  # our own adapter: exactly the cpu contract
-        assert llm_in.keys() == cpu_in.keys() and llm_out.keys() == cpu_out.keys()
+def _upstream(table, logits_type):
+    """An upstream_contract table as a rendered deployment spells it (placeholders filled)."""
+    fill = {upstream.LOGITS: logits_type}
+    return {name: (fill.get(spec[0], "TYPE_FP16" if spec[0].startswith("${") else spec[0]),
+                   *spec[1:]) for name, spec in table.items()}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_model_declares_tensorrt_llms_tensors(deployments, target):
+    """TensorRT-LLM 1.2's names, types, shapes and optional flags (tests/upstream_contract.py
+    cites the upstream files): the ensemble and BLS declare all of them on every target, the
+    cpu target's tensorrt_llm too; the GPU targets' tensorrt_llm a subset (what they serve)."""
+    from tritonclient.grpc import model_config_pb2
+
+    name = model_config_pb2.DataType.Name
+    models = configs(deployments[target][0])
+    logits = name({o.name: o.data_type for o in models["tensorrt_llm"].output}["context_logits"])
+    assert logits == "TYPE_FP32"  # build.logits_dtype's default
+    for model, (want_in, want_out) in upstream.CONTRACT.items():
+        cfg = models[model]
+        got_in = {i.name: (name(i.data_type), list(i.dims), i.optional) for i in cfg.input}
+        got_out = {o.name: (name(o.data_type), list(o.dims)) for o in cfg.output}
+        want_in, want_out = _upstream(want_in, logits), _upstream(want_out, logits)
+        if model == "tensorrt_llm" and target != "cpu":
+            assert {k: want_in.get(k) for k in got_in} == got_in
+            assert {k: want_out.get(k) for k in got_out} == got_out
+        else:
+            assert got_in == want_in, model
+            assert got_out == want_out, model
+
+
+def test_logits_data_type_is_build_logits_dtype(examples, checkpoint, tmp_path):
+    """Before the engine exists the trtllm-engine outputs take build.logits_dtype (what
+    trtllm-build gets); the C++ backend refuses logits of another type."""
+    from tritonclient.grpc import model_config_pb2
+
+    for target in ("cpu", "trtllm-engine"):
+        cfg = parse_config({"model": {"path": str(examples["tiny-mixtral"])}, "target": target,
+                            "parallel": {"tp": 2, "moe_ep": 2},
+                            "build": {"logits_dtype": "float16"},
+                            "workdir": str(tmp_path / target)})
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        render_deployment(cfg, Artifacts(model_dir=examples["tiny-mixtral"],
+                                         checkpoint_dir=checkpoint, vocab_size=vocab))
+        for model, cfg_pb in configs(cfg.deploy_dir).items():
+            types = {o.name: model_config_pb2.DataType.Name(o.data_type) for o in cfg_pb.output}
+            if "context_logits" in types:
+                assert types["context_logits"] == types["generation_logits"] == "TYPE_FP16", \
+                    (target, model)
 
 
 def rendered_text_files(deploy):
@@ -184,7 +225,7 @@ def test_engine_parameters_come_from_the_config(deployments):
     assert params["gpt_model_type"] == "inflight_fused_batching"
     assert params["batch_scheduler_policy"] == "guaranteed_no_evict"
     assert params["kv_cache_free_gpu_mem_fraction"] == "0.9"
-    assert params["exclude_input_in_output"] == "true"
+    assert params["exclude_input_in_output"] == "false"  # TensorRT-LLM's default
     assert params["tokenizer_dir"] == str(deploy / "tokenizer")
     # Unset in moepipe.yaml: left to TensorRT-LLM, not filled with a made-up value.
     for absent in ("max_tokens_in_paged_kv_cache", "max_attention_window_size",

@@ -16,7 +16,7 @@ from moepipe.arch.hf import tokenizer_files
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.render import check_repository, render_tree, templates_root
 from moepipe.deploy.targets import TARGETS, Artifacts
-from moepipe.deploy.targets.base import flag
+from moepipe.deploy.targets.base import LOGITS_DATATYPES, flag
 from moepipe.errors import MoepipeError
 from moepipe.utils.fs import atomic_dir
 
@@ -38,6 +38,8 @@ def common_values(cfg: MoepipeConfig, tokenizer_dir: Path, vocab_size: int) -> d
         "bls_instance_count": str(d.instance_count),
         "decoupled_mode": flag(d.decoupled),
         "accumulate_tokens": flag(d.accumulate_tokens),
+        # context / generation logits (ensemble, BLS, cpu); trtllm-engine reads its engine's
+        "logits_datatype": LOGITS_DATATYPES[cfg.build.logits_dtype],
     }
 
 

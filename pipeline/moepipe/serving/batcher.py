@@ -104,12 +104,14 @@ class Batcher:
 
     def step(self) -> None:
         """Admit what fits, prefill it, then decode one token for every running request."""
+        self._finish_stopped()
         if self.steps % CANCEL_CHECK_STEPS == 0:
             self._drop_cancelled()
         admitted = []
         while self._waiting and self._free:
             req = self._waiting.pop(0)
             req.slot = self._free.pop(0)
+            req.scheduled_ns = time.monotonic_ns()
             self._generators[req.slot] = torch.Generator().manual_seed(req.sampling.seed)
             admitted.append(req)
         decoding = list(self._running)
@@ -119,12 +121,15 @@ class Batcher:
             self.stats["sequences"] += len(batch)
             self.stats["prefills"] += len(admitted)
             started = time.perf_counter()
+            context = any(r.return_context_logits for r in admitted)
             logits = self.model.forward(
                 Batch(torch.tensor(tokens),
                       [len(r.prompt) for r in admitted] + [1] * len(decoding),
                       [0] * len(admitted) + [len(r.prompt) + len(r.generated) - 1
                                              for r in decoding],
-                      [r.slot for r in batch]), self.cache)
+                      [r.slot for r in batch]), self.cache, all_logits=context)
+            if context:
+                logits = self._keep_context_logits(admitted, len(decoding), logits)
             self.stats["forward_s"] += time.perf_counter() - started
             self._advance(batch, logits)
             self._running.extend(r for r in admitted if r.slot >= 0)
@@ -135,7 +140,12 @@ class Batcher:
 
     def _advance(self, reqs: list[GenerationRequest], logits: torch.Tensor) -> None:
         greedy = logits.argmax(dim=-1).tolist()  # the common case, for the whole batch at once
+        now = time.monotonic_ns()
         for req, row, best in zip(reqs, logits, greedy, strict=True):
+            if req.return_generation_logits:
+                req.generation_logits.append(row.clone())
+            req.first_token_ns = req.first_token_ns or now
+            req.last_token_ns = now
             if req.plain_greedy:
                 token = best
             else:
@@ -156,6 +166,36 @@ class Batcher:
                 done = True
             if done:
                 self._release(req)
+
+    @staticmethod
+    def _keep_context_logits(admitted: list[GenerationRequest], decoding: int,
+                             logits: torch.Tensor) -> torch.Tensor:
+        """From the logits of every position: store each admitted prompt's that asks for them;
+        return the last position's of every sequence, as a step needs."""
+        lens = torch.tensor([len(r.prompt) for r in admitted] + [1] * decoding)
+        ends = lens.cumsum(0)
+        for req, end, n in zip(admitted, ends.tolist(), lens.tolist(), strict=False):
+            if req.return_context_logits:
+                req.context_logits = logits[end - n:end].clone()
+        return logits[ends - 1]
+
+    def _finish_stopped(self) -> None:
+        """End the requests a `stop` request named: a final response with what they have
+        (nothing new when streaming)."""
+        stopped = [r for r in self._running + self._waiting if r.stop_requested]
+        for req in stopped:
+            self._release(req)
+            if req in self._waiting:
+                self._waiting.remove(req)
+            try:
+                if req.streaming:
+                    req.on_tokens([], [], True)
+                else:
+                    req.on_tokens(list(req.generated), list(req.log_probs), True)
+            except Exception:
+                log.exception("sending a response failed")
+        if stopped:
+            self._running = [r for r in self._running if r.slot >= 0]
 
     def _release(self, req: GenerationRequest) -> None:
         if req.slot >= 0:

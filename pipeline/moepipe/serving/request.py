@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,10 +35,22 @@ class GenerationRequest:
     on_tokens: Callable[[list[int], list[float], bool], None] = lambda t, lp, f: None
     on_error: Callable[[str], None] = lambda msg: None
     is_cancelled: Callable[[], bool] = lambda: False
+    return_context_logits: bool = False  # keep the prompt's logits ([prompt_len, vocab])
+    return_generation_logits: bool = False  # keep each step's raw logits ([vocab] per token)
+    # Set by a `stop` request (another thread): the engine ends the request at its next step
+    # with a final response carrying what was generated, as TensorRT-LLM's cancelRequest does.
+    stop_requested: bool = False
     # engine state
     generated: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     slot: int = -1
+    context_logits: torch.Tensor | None = None
+    generation_logits: list[torch.Tensor] = field(default_factory=list)
+    # CLOCK_MONOTONIC nanoseconds (return_perf_metrics)
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+    scheduled_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
 
     def validate(self, vocab_size: int, max_input_len: int, max_seq_len: int) -> None:
         if not self.prompt:

@@ -216,7 +216,8 @@ def _text(ep, cfg, tok, hf, eos, prompt) -> dict:
     _, want = _hf_generate(cfg, tok, hf, eos, prompt)
     expected = tok.decode(want, skip_special_tokens=cfg.deploy.skip_special_tokens)
     got = client.generate(ep.http, "ensemble",
-                          {"text_input": prompt, "max_tokens": cfg.validation.max_tokens},
+                          {"text_input": prompt, "max_tokens": cfg.validation.max_tokens,
+                           "exclude_input_in_output": True},  # the generated text only
                           ep.timeout)["text_output"]
     check(got == expected, f"ensemble text {got!r} != transformers {expected!r}")
     return {"text": got}

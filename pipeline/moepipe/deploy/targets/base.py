@@ -23,6 +23,10 @@ class Artifacts:
     vocab_size: int = 0
 
 
+# TensorRT-LLM logits_dtype -> Triton data type of context_logits / generation_logits.
+LOGITS_DATATYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
+
+
 def flag(on: bool) -> str:
     """A boolean as the templates spell it."""
     return "true" if on else "false"

@@ -8,8 +8,9 @@ value                           source
 =============================== ==============================================================
 engine_dir                      ``Artifacts.engine_dir``; without one (no GPU here yet)
                                 ``<workdir>/engine``, where ``moepipe build`` puts it
-logits_datatype                 ``logits_dtype`` of the engine's config.json, else of the
-                                converted checkpoint's, else float32 (what moepipe writes)
+logits_datatype                 ``logits_dtype`` of the engine's config.json; before the engine
+                                exists ``build.logits_dtype`` (what trtllm-build is given), as
+                                the backend checks that they agree
 batching_strategy               ``deploy.trtllm.batching_strategy`` (parameter gpt_model_type)
 max_beam_width, ...             ``deploy.trtllm.<same name>``: batch_scheduler_policy,
                                 kv_cache_free_gpu_mem_fraction, enable_kv_cache_reuse,
@@ -50,7 +51,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moepipe.deploy.targets.base import Artifacts, flag, quotable
+from moepipe.deploy.targets.base import LOGITS_DATATYPES, Artifacts, flag, quotable
 from moepipe.errors import CheckpointError, MappingError
 from moepipe.trtllm.engine import check_engine_version, engine_world_size
 from moepipe.trtllm.mapping import Mapping
@@ -60,22 +61,15 @@ from moepipe.utils.fs import read_json
 if TYPE_CHECKING:
     from moepipe.config import MoepipeConfig
 
-# TensorRT-LLM logits_dtype -> Triton data type of context_logits / generation_logits.
-LOGITS_DATATYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
-
-
 def _read_json_if(path: Path) -> dict[str, Any] | None:
     return read_json(path, "its folder") if path.is_file() else None
 
 
-def _logits_datatype(engine_cfg: dict[str, Any] | None, art: Artifacts) -> str:
-    dtype = None
+def _logits_datatype(engine_cfg: dict[str, Any] | None, cfg: MoepipeConfig) -> str:
+    """The C++ backend checks that the engine's logits have the config's data type."""
+    dtype = cfg.build.logits_dtype
     if engine_cfg is not None:
-        dtype = engine_cfg["pretrained_config"].get("logits_dtype")
-    elif art.checkpoint_dir is not None:
-        ckpt = _read_json_if(art.checkpoint_dir / "config.json")
-        dtype = ckpt.get("logits_dtype") if ckpt else None
-    dtype = dtype or "float32"
+        dtype = engine_cfg["pretrained_config"].get("logits_dtype") or "float32"
     if dtype not in LOGITS_DATATYPES:
         raise CheckpointError(f"logits_dtype '{dtype}' has no Triton data type here; "
                               f"supported: {', '.join(LOGITS_DATATYPES)}")
@@ -106,7 +100,7 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
                 "decoding_mode": t.decoding_mode}
     return {
         "engine_dir": quotable(str(engine), "engine_dir"),
-        "logits_datatype": _logits_datatype(engine_cfg, art),
+        "logits_datatype": _logits_datatype(engine_cfg, cfg),
         "batching_strategy": t.batching_strategy,
         "max_beam_width": str(t.max_beam_width),
         "batch_scheduler_policy": t.batch_scheduler_policy,

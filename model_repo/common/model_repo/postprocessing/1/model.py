@@ -1,5 +1,9 @@
 """moepipe postprocessing: token ids -> text, with TensorRT-LLM's tensor contract.
 
+``TOKENS_BATCH`` [B, beams, n] with ``SEQUENCE_LENGTH`` [B, beams] gives ``OUTPUT``: one
+string per (row, beam), flattened to ONE dimension, as TensorRT-LLM's postprocessing returns
+it (triton_backend/all_models/inflight_batcher_llm/postprocessing/1/model.py): a response of
+the ensemble carries ``text_output`` of shape [beams], so ``text_output[0]`` is the text.
 Needs only numpy and transformers.
 """
 
@@ -23,13 +27,13 @@ class TritonPythonModel:
         for request in requests:
             tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
             lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
-            tokens = tokens.reshape(tokens.shape[0], -1, tokens.shape[-1])  # [batch, beam, n]
-            lengths = lengths.reshape(tokens.shape[0], -1)
-            texts = [[self.tokenizer.decode(beam[: int(n)].tolist(),
-                                            skip_special_tokens=self.skip_special)
-                      .encode("utf-8") for beam, n in zip(batch, lens, strict=True)]
-                     for batch, lens in zip(tokens, lengths, strict=True)]
-            out = np.array(texts, dtype=object).reshape(tokens.shape[0], -1)
+            if tokens.ndim == 2:  # [batch, n]: one beam
+                tokens = tokens[:, None]
+            lengths = lengths.reshape(tokens.shape[0], tokens.shape[1])
+            texts = [self.tokenizer.decode(beam[: int(n)].tolist(),
+                                           skip_special_tokens=self.skip_special).encode("utf-8")
+                     for batch, lens in zip(tokens, lengths, strict=True)
+                     for beam, n in zip(batch, lens, strict=True)]
             responses.append(pb_utils.InferenceResponse(
-                output_tensors=[pb_utils.Tensor("OUTPUT", out)]))
+                output_tensors=[pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object))]))
         return responses

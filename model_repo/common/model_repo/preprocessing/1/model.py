@@ -1,21 +1,31 @@
 """moepipe preprocessing: text -> token ids, with TensorRT-LLM's tensor contract.
 
 Needs only numpy and transformers (runs in NVIDIA's Triton containers as well as locally).
-Stop/bad words and embedding-bias words are comma-separated strings; word lists are encoded as
-TensorRT-LLM expects: ``[2, n]`` INT32, row 0 the concatenated ids, row 1 the cumulative end
-offsets padded with -1.
+A request of batch size B gives B rows: ``INPUT_ID`` [B, longest] padded with the pad id,
+``REQUEST_INPUT_LEN`` [B, 1], and per row the end / pad ids, the word lists and the embedding
+bias, as TensorRT-LLM's preprocessing (triton_backend/all_models/inflight_batcher_llm/
+preprocessing/1/model.py) makes them. Each element of ``stop_words`` / ``bad_words`` is one
+word (any string); word lists are ``[B, 2, n]`` INT32: row 0 the concatenated ids, row 1 the
+cumulative end offsets padded with -1.
 """
 
-import csv
 import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
+# Inputs of TensorRT-LLM's preprocessing for features moepipe's models do not have.
+UNSUPPORTED = {"DECODER_QUERY": "decoder_text_input is for encoder-decoder models",
+               "PROMPT_TABLE_EXTRA_ID": "prompt_table_extra_id is for prompt tuning"}
+
 
 def _bool(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes")
+
+
+def _text(item) -> str:
+    return item.decode("utf-8") if isinstance(item, bytes) else str(item)
 
 
 class TritonPythonModel:
@@ -41,65 +51,83 @@ class TritonPythonModel:
         return responses
 
     def _one(self, request):
-        query = pb_utils.get_input_tensor_by_name(request, "QUERY").as_numpy().reshape(-1)
-        text = query[0].decode("utf-8") if isinstance(query[0], bytes) else str(query[0])
-        if not text:
-            raise ValueError("the prompt (text_input) is empty")
-        ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
-        if not ids:
-            raise ValueError("the prompt (text_input) encodes to no tokens")
+        for name, why in UNSUPPORTED.items():
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            if t is not None and t.as_numpy().size:
+                raise ValueError(f"{why}, which moepipe does not serve")
+        query = pb_utils.get_input_tensor_by_name(request, "QUERY").as_numpy()
+        batch = query.shape[0]
+        rows = []
+        for item in query.reshape(batch, -1)[:, 0]:
+            text = _text(item)
+            if not text:
+                raise ValueError("the prompt (text_input) is empty")
+            ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
+            if not ids:
+                raise ValueError("the prompt (text_input) encodes to no tokens")
+            rows.append(ids)
         out_len = pb_utils.get_input_tensor_by_name(request, "REQUEST_OUTPUT_LEN").as_numpy()
-        end_id = self._scalar(request, "END_ID", self.end_id)
-        pad_id = self._scalar(request, "PAD_ID", self.pad_id)
+        end_id = self._per_row(request, "END_ID", self.end_id, batch)
+        pad_id = self._per_row(request, "PAD_ID", self.pad_id, batch)
+        longest = max(len(r) for r in rows)
+        input_ids = np.array([r + [int(pad_id[b, 0])] * (longest - len(r))
+                              for b, r in enumerate(rows)], dtype=np.int32)
         return [
-            pb_utils.Tensor("INPUT_ID", np.array([ids], dtype=np.int32)),
-            pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[len(ids)]], dtype=np.int32)),
-            pb_utils.Tensor("BAD_WORDS_IDS", self._words(request, "BAD_WORDS_DICT")),
-            pb_utils.Tensor("STOP_WORDS_IDS", self._words(request, "STOP_WORDS_DICT")),
-            pb_utils.Tensor("EMBEDDING_BIAS", self._bias(request)),
-            pb_utils.Tensor("REQUEST_OUTPUT_LEN", out_len.reshape(1, -1).astype(np.int32)),
-            pb_utils.Tensor("OUT_END_ID", np.array([[end_id]], dtype=np.int32)),
-            pb_utils.Tensor("OUT_PAD_ID", np.array([[pad_id]], dtype=np.int32)),
+            pb_utils.Tensor("INPUT_ID", input_ids),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[len(r)] for r in rows], np.int32)),
+            pb_utils.Tensor("BAD_WORDS_IDS", self._words(request, "BAD_WORDS_DICT", batch)),
+            pb_utils.Tensor("STOP_WORDS_IDS", self._words(request, "STOP_WORDS_DICT", batch)),
+            pb_utils.Tensor("EMBEDDING_BIAS", self._bias(request, batch)),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", out_len.reshape(batch, 1).astype(np.int32)),
+            pb_utils.Tensor("OUT_END_ID", end_id),
+            pb_utils.Tensor("OUT_PAD_ID", pad_id),
         ]
 
     @staticmethod
-    def _scalar(request, name, default):
-        t = pb_utils.get_input_tensor_by_name(request, name)
-        return int(t.as_numpy().reshape(-1)[0]) if t is not None else default
-
-    def _strings(self, request, name):
+    def _per_row(request, name, default, batch):
         t = pb_utils.get_input_tensor_by_name(request, name)
         if t is None:
-            return []
-        words = []
-        for item in t.as_numpy().reshape(-1):
-            text = item.decode("utf-8") if isinstance(item, bytes) else str(item)
-            if text:
-                words += [w for row in csv.reader([text]) for w in row if w]
-        return words
+            return np.full((batch, 1), default, dtype=np.int32)
+        return t.as_numpy().reshape(batch, 1).astype(np.int32)
 
-    def _words(self, request, name):
+    @staticmethod
+    def _strings(request, name, batch):
+        """Per row, the non-empty strings of a ``[B, n]`` STRING input (None when absent)."""
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        if t is None:
+            return None
+        return [[_text(x) for x in row if _text(x)] for row in t.as_numpy().reshape(batch, -1)]
+
+    def _words(self, request, name, batch):
+        words = self._strings(request, name, batch)
+        if words is None:
+            return np.zeros((batch, 2, 0), dtype=np.int32)
         ids, offsets = [], []
-        for word in self._strings(request, name):
-            tokens = self.tokenizer.encode(word, add_special_tokens=False)
-            if tokens:
-                ids += tokens
-                offsets.append(len(ids))
-        if not ids:
-            return np.zeros((1, 2, 0), dtype=np.int32)
-        offsets += [-1] * (len(ids) - len(offsets))
-        return np.array([[ids, offsets]], dtype=np.int32)
+        for row in words:
+            row_ids, row_offsets = [], []
+            for word in row:
+                tokens = self.tokenizer.encode(word, add_special_tokens=False)
+                if tokens:
+                    row_ids += tokens
+                    row_offsets.append(len(row_ids))
+            ids.append(row_ids)
+            offsets.append(row_offsets)
+        width = max(1, max(len(r) for r in ids))
+        return np.array([[r + [0] * (width - len(r)), o + [-1] * (width - len(o))]
+                         for r, o in zip(ids, offsets, strict=True)], dtype=np.int32)
 
-    def _bias(self, request):
-        words = self._strings(request, "EMBEDDING_BIAS_WORDS")
+    def _bias(self, request, batch):
+        words = self._strings(request, "EMBEDDING_BIAS_WORDS", batch)
         w = pb_utils.get_input_tensor_by_name(request, "EMBEDDING_BIAS_WEIGHTS")
-        weights = w.as_numpy().reshape(-1) if w is not None else np.zeros(0, np.float32)
-        if not words:
-            return np.zeros((1, 0), dtype=np.float32)
-        if len(words) != len(weights):
-            raise ValueError(f"{len(words)} embedding_bias_words but {len(weights)} weights")
-        bias = np.zeros(self.vocab_size, dtype=np.float32)
-        for word, weight in zip(words, weights, strict=True):
-            for token in self.tokenizer.encode(word, add_special_tokens=False)[:1]:
-                bias[token] += weight
-        return bias.reshape(1, -1)
+        if words is None or w is None:
+            return np.zeros((batch, 0), dtype=np.float32)
+        weights = w.as_numpy().reshape(batch, -1)
+        bias = np.zeros((batch, self.vocab_size), dtype=np.float32)
+        for b, (row, row_weights) in enumerate(zip(words, weights, strict=True)):
+            if len(row) != len(row_weights):
+                raise ValueError(f"{len(row)} embedding_bias_words but {len(row_weights)} "
+                                 "weights")
+            for word, weight in zip(row, row_weights, strict=True):
+                for token in self.tokenizer.encode(word, add_special_tokens=False):
+                    bias[b, token] += weight
+        return bias

@@ -1,9 +1,13 @@
 """moepipe tensorrt_llm_bls: the ensemble's text contract as one Python model.
 
-Calls preprocessing -> tensorrt_llm -> postprocessing with BLS requests. In decoupled mode each
-request runs on a worker thread so ``execute`` returns at once; with ``accumulate_tokens`` the
-streamed text is decoded from all tokens so far (so multi-byte characters are never split).
-Needs only numpy.
+Calls preprocessing -> tensorrt_llm -> postprocessing with BLS requests, as TensorRT-LLM's
+BLS does (triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/
+triton_decoder.py): the whole batch goes to tensorrt_llm in one request, and every response of
+tensorrt_llm becomes one response here, its text decoded by postprocessing (``text_output`` of
+shape [beams]) and its other outputs (``batch_index``, logits, ...) passed on. In decoupled mode
+each request runs on a worker thread so ``execute`` returns at once; with ``accumulate_tokens``
+the streamed text is decoded from all tokens of the row so far (multi-byte characters are never
+split). Needs only numpy.
 """
 
 import json
@@ -14,28 +18,43 @@ import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
-# client input -> (model, model input)
-PRE_INPUTS = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN",
-              "bad_words": "BAD_WORDS_DICT", "stop_words": "STOP_WORDS_DICT",
-              "embedding_bias_words": "EMBEDDING_BIAS_WORDS",
+# client input -> preprocessing input
+PRE_INPUTS = {"text_input": "QUERY", "decoder_text_input": "DECODER_QUERY",
+              "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
+              "stop_words": "STOP_WORDS_DICT", "embedding_bias_words": "EMBEDDING_BIAS_WORDS",
               "embedding_bias_weights": "EMBEDDING_BIAS_WEIGHTS", "end_id": "END_ID",
-              "pad_id": "PAD_ID"}
+              "pad_id": "PAD_ID", "prompt_table_extra_id": "PROMPT_TABLE_EXTRA_ID"}
 PRE_TO_LLM = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
               "REQUEST_OUTPUT_LEN": "request_output_len", "OUT_END_ID": "end_id",
               "OUT_PAD_ID": "pad_id", "STOP_WORDS_IDS": "stop_words_list",
               "BAD_WORDS_IDS": "bad_words_list", "EMBEDDING_BIAS": "embedding_bias"}
+# client input -> tensorrt_llm input
 LLM_INPUTS = {"exclude_input_in_output": "exclude_input_in_output", "top_k": "runtime_top_k",
               "top_p": "runtime_top_p", "temperature": "temperature",
               "length_penalty": "len_penalty", "repetition_penalty": "repetition_penalty",
               "min_tokens": "min_tokens", "presence_penalty": "presence_penalty",
               "frequency_penalty": "frequency_penalty", "seed": "seed",
               "return_log_probs": "return_log_probs",
+              "return_context_logits": "return_context_logits",
+              "return_generation_logits": "return_generation_logits",
+              "return_perf_metrics": "return_perf_metrics",
               "return_num_input_tokens": "return_num_input_tokens",
               "return_num_output_tokens": "return_num_output_tokens",
               "beam_width": "beam_width", "num_return_sequences": "num_return_sequences",
-              "stream": "streaming"}
-PASS_THROUGH = ["cum_log_probs", "output_log_probs", "batch_index", "sequence_index",
+              "stream": "streaming", "prompt_embedding_table": "prompt_embedding_table",
+              "prompt_vocab_size": "prompt_vocab_size", "lora_task_id": "lora_task_id",
+              "lora_weights": "lora_weights", "lora_config": "lora_config",
+              "guided_decoding_guide_type": "guided_decoding_guide_type",
+              "guided_decoding_guide": "guided_decoding_guide"}
+PASS_THROUGH = ["cum_log_probs", "output_log_probs", "context_logits", "generation_logits",
+                "batch_index", "sequence_index", "kv_cache_alloc_new_blocks",
+                "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns",
+                "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+                "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
                 "num_input_tokens", "num_output_tokens"]
+# Inputs of TensorRT-LLM's BLS for models moepipe does not serve (multimodal, draft models).
+UNSUPPORTED = {"image_input": "multimodal models", "image_bytes_input": "multimodal models",
+               "image_url_input": "multimodal models", "video_bytes_input": "multimodal models"}
 
 
 class TritonPythonModel:
@@ -66,11 +85,20 @@ class TritonPythonModel:
             sender.send(flags=FINAL)
         except _Failed as e:
             sender.send(pb_utils.InferenceResponse(error=e.error), flags=FINAL)
+        except ValueError as e:  # a request moepipe refuses
+            error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
         except Exception as e:  # keep the server up and tell the client
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
                         flags=FINAL)
 
     def _generate(self, request):
+        for name, what in UNSUPPORTED.items():
+            if pb_utils.get_input_tensor_by_name(request, name) is not None:
+                raise ValueError(f"{name} is for {what}, which moepipe does not serve")
+        drafts = pb_utils.get_input_tensor_by_name(request, "num_draft_tokens")
+        if drafts is not None and drafts.as_numpy().size and drafts.as_numpy().reshape(-1)[0]:
+            raise ValueError("cannot perform speculative decoding without draft model")
         pre_in = [pb_utils.Tensor(dst, t.as_numpy()) for src, dst in PRE_INPUTS.items()
                   if (t := pb_utils.get_input_tensor_by_name(request, src)) is not None]
         pre = _check(pb_utils.InferenceRequest(
@@ -81,38 +109,45 @@ class TritonPythonModel:
         llm_in += [pb_utils.Tensor(dst, t.as_numpy()) for src, dst in LLM_INPUTS.items()
                    if (t := pb_utils.get_input_tensor_by_name(request, src)) is not None]
         llm_request = pb_utils.InferenceRequest(
-            model_name=self.llm, inputs=llm_in,
+            model_name=self.llm, inputs=llm_in, request_id=request.request_id(),
             requested_output_names=["output_ids", "sequence_length", *PASS_THROUGH])
         stream = llm_request.exec(decoupled=True) if self.decoupled else [llm_request.exec()]
-        tokens = []
-        previous = ""
+        tokens: dict[tuple[int, int], list[int]] = {}  # (batch, sequence) -> ids so far
+        previous: dict[tuple[int, int], str] = {}
         for response in stream:
             if response.has_error():
                 raise _Failed(response.error())
             ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
             if ids is None:  # a bare final flag
                 continue
+            passed = {name: t.as_numpy() for name in PASS_THROUGH
+                      if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None}
+            ids = ids.as_numpy()
             lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy()
-            new = ids.as_numpy().reshape(-1)[: int(lengths.reshape(-1)[0])]
-            if self.accumulate:
-                tokens += new.tolist()
-                text = self._detokenize(np.array(tokens, np.int32))
-                chunk, previous = text[len(previous):], text
+            if self.accumulate and ids.shape[1] == 1:
+                key = (int(passed.get("batch_index", np.zeros(1)).reshape(-1)[0]),
+                       int(passed.get("sequence_index", np.zeros(1)).reshape(-1)[0]))
+                tokens[key] = tokens.get(key, []) + ids[0, 0, : int(lengths[0, 0])].tolist()
+                text = self._detokenize(np.array([[tokens[key]]], np.int32),
+                                        np.array([[len(tokens[key])]], np.int32))[0]
+                old = previous.get(key, "")
+                previous[key] = text
+                text_output = np.array([text[len(old):].encode("utf-8")], dtype=object)
             else:
-                chunk = self._detokenize(new)
-            out = [pb_utils.Tensor("text_output", np.array([[chunk.encode("utf-8")]], object))]
-            out += [pb_utils.Tensor(name, t.as_numpy()) for name in PASS_THROUGH
-                    if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None]
+                text_output = np.array([t.encode("utf-8")
+                                        for t in self._detokenize(ids, lengths)], dtype=object)
+            out = [pb_utils.Tensor("text_output", text_output)]
+            out += [pb_utils.Tensor(name, value) for name, value in passed.items()]
             yield pb_utils.InferenceResponse(output_tensors=out)
 
-    def _detokenize(self, ids):
+    def _detokenize(self, ids, lengths):
         post = _check(pb_utils.InferenceRequest(
             model_name="postprocessing",
-            inputs=[pb_utils.Tensor("TOKENS_BATCH", ids.reshape(1, 1, -1).astype(np.int32)),
-                    pb_utils.Tensor("SEQUENCE_LENGTH", np.array([[ids.size]], np.int32))],
+            inputs=[pb_utils.Tensor("TOKENS_BATCH", ids.astype(np.int32)),
+                    pb_utils.Tensor("SEQUENCE_LENGTH", lengths.astype(np.int32))],
             requested_output_names=["OUTPUT"]).exec())
-        text = pb_utils.get_output_tensor_by_name(post, "OUTPUT").as_numpy().reshape(-1)[0]
-        return text.decode("utf-8") if isinstance(text, bytes) else str(text)
+        texts = pb_utils.get_output_tensor_by_name(post, "OUTPUT").as_numpy().reshape(-1)
+        return [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in texts]
 
     def finalize(self):
         if self.pool is not None:

@@ -1,9 +1,12 @@
 """moepipe `cpu` target: the reference runtime as Triton's ``tensorrt_llm`` model.
 
-``execute`` only parses and queues requests; the engine thread runs in-flight batching and
-answers through each request's response sender (decoupled mode: one response per token when
-streaming, one response otherwise). In non-decoupled mode ``execute`` waits for its requests,
-which the engine still batches together. Expert routing is exported as Prometheus counters
+The tensor contract is TensorRT-LLM 1.2's (``moepipe.serving.contract``): a request of batch
+size B becomes B rows (times ``num_return_sequences``), each answered with its own responses
+(``batch_index`` when B > 1, ``sequence_index`` when several sequences), the last one flagged
+FINAL; a ``stop`` request ends the running request with the same request id. ``execute`` only
+parses and queues, in both transaction policies, and answers through response senders: the
+engine thread runs in-flight batching; responses are built and sent, and cancellation polled,
+on the outbox thread. Expert routing is exported as Prometheus counters
 ``moepipe_expert_tokens_total{model,layer,expert}``.
 """
 
@@ -20,33 +23,14 @@ import triton_python_backend_utils as pb_utils
 from moepipe.runtime.checkpoint import load_checkpoint
 from moepipe.runtime.model import ReferenceModel
 from moepipe.runtime.sampling import SamplingParams
+from moepipe.serving import contract
 from moepipe.serving.batcher import Batcher
 from moepipe.serving.request import GenerationRequest, RequestError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Metrics are calls into the server: publish them at most this often, not every step.
 METRICS_PERIOD_S = 0.5
-
-
-def _opt(request, name, default, kind=float):
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    if t is None:
-        return default
-    value = t.as_numpy().reshape(-1)
-    return kind(value[0]) if value.size else default
-
-
-def _words(request, name):
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    if t is None:
-        return []
-    arr = t.as_numpy().reshape(2, -1) if t.as_numpy().size else np.zeros((2, 0), np.int32)
-    ids, offsets = arr[0].tolist(), [o for o in arr[1].tolist() if o >= 0]
-    words, start = [], 0
-    for end in offsets:
-        words.append(ids[start:end])
-        start = end
-    return [w for w in words if w]
+LOGITS_DTYPES = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16}
 
 
 class TritonPythonModel:
@@ -60,7 +44,10 @@ class TritonPythonModel:
         # interval, execute() and the outbox wait that long for every GIL hand-over, and
         # requests spend more time queued for the GIL than in the batch.
         sys.setswitchinterval(0.0002)
-        self.exclude_input = params.get("exclude_input_in_output", "true").lower() == "true"
+        # TensorRT-LLM's default when neither the request nor the parameter says: false.
+        self.exclude_input = params.get("exclude_input_in_output", "false").lower() == "true"
+        outputs = {o["name"]: o["data_type"] for o in cfg["output"]}
+        self.logits_dtype = LOGITS_DTYPES[outputs["context_logits"]]
         model = ReferenceModel(load_checkpoint(params["checkpoint_dir"]))
         self.family = pb_utils.MetricFamily(
             name="moepipe_expert_tokens_total",
@@ -85,6 +72,9 @@ class TritonPythonModel:
                              max_seq_len=int(params["max_seq_len"]),
                              max_input_len=int(params["max_input_len"]), on_step=self._on_step)
         self.outbox = _Outbox()
+        # request id -> the generation requests it runs (a `stop` request names them)
+        self.live: dict[str, list[GenerationRequest]] = {}
+        self.live_lock = threading.Lock()
         self.engine.start()
 
     def _on_step(self, model, force=False):
@@ -105,110 +95,106 @@ class TritonPythonModel:
         self.running_metric.set(self.engine.active)
 
     def execute(self, requests):
-        if self.decoupled:
-            for request in requests:
-                self._submit(request, self.outbox.track(request.get_response_sender()))
-            return None
-        done = [threading.Event() for _ in requests]
-        slots = [None] * len(requests)
-        for i, request in enumerate(requests):
-            self._submit(request, _Collector(slots, i, done[i]))
-        for event in done:
-            event.wait()
-        return slots
+        # Both policies answer through response senders (non-decoupled: exactly one response),
+        # so execute never waits and a `stop` request is served while its target runs.
+        for request in requests:
+            sender = self.outbox.track(request.get_response_sender())
+            try:
+                self._submit(request, sender)
+            except (RequestError, ValueError) as e:
+                error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+        return None
 
     def _submit(self, request, sender):
-        try:
-            req = self._parse(request, sender)
-            if req.streaming and not self.decoupled:
-                raise RequestError("streaming needs the model deployed in decoupled mode "
-                                   "(deploy.decoupled: true)")
-            self.engine.submit(req)
-        except (RequestError, ValueError) as e:
-            error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
-            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+        inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+        request_id = request.request_id()
+        if contract.is_stop(inputs):
+            self._stop(request_id, sender)
+            return
+        rows = contract.parse(inputs, decoupled=self.decoupled,
+                              exclude_default=self.exclude_input)
+        if not self.decoupled and rows[0].num_return_sequences > 1:
+            raise RequestError("num_return_sequences > 1 sends one response per sequence, which "
+                               "needs decoupled mode (deploy.decoupled: true)")
+        group = _Group(self, sender, request_id, len(rows))
+        reqs = [self._generation_request(row, seq, group, len(rows))
+                for row in rows for seq in range(row.num_return_sequences)]
+        group.pending = len(reqs)
+        e = self.engine
+        for req in reqs:  # all rows are checked before any runs
+            req.validate(e.model.vocab_size, e.max_input_len, e.max_seq_len)
+        if request_id:
+            with self.live_lock:
+                self.live.setdefault(request_id, []).extend(reqs)
+        for req in reqs:
+            e.submit(req)
 
-    def _parse(self, request, sender):
-        ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
-        if ids is None:
-            raise RequestError("input_ids is required")
-        prompt = ids.as_numpy().reshape(-1).tolist()
-        length = _opt(request, "input_lengths", len(prompt), int)
-        prompt = prompt[:length]
-        if _opt(request, "beam_width", 1, int) != 1:
-            raise RequestError("beam_width > 1 is not supported by the cpu target")
-        if _opt(request, "num_return_sequences", 1, int) != 1:
-            raise RequestError("num_return_sequences > 1 is not supported by the cpu target")
-        seed = _opt(request, "seed", 0, int)
-        top_k = _opt(request, "runtime_top_k", 0, int)
-        top_p = _opt(request, "runtime_top_p", 0.0)
+    def _stop(self, request_id, sender):
+        """TensorRT-LLM's handleStopRequest: end the named request's rows with what they have
+        generated; answer the stop request itself with one empty response."""
+        if not request_id:
+            raise RequestError(contract.ERR_STOP_WITHOUT_ID)
+        with self.live_lock:
+            for req in self.live.get(request_id, []):
+                req.stop_requested = True
+        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+
+    def _forget(self, request_id, reqs):
+        if request_id:
+            with self.live_lock:
+                left = [r for r in self.live.get(request_id, []) if r not in reqs]
+                if left:
+                    self.live[request_id] = left
+                else:
+                    self.live.pop(request_id, None)
+
+    def _generation_request(self, row, seq, group, batch_size):
+        top_k, top_p = row.top_k, row.top_p
+        seed = row.seed + seq  # each returned sequence samples its own stream
+        temperature = 1.0 if row.temperature is None else row.temperature
         # TensorRT-LLM decodes greedily unless top_k > 1 or top_p > 0 asks for sampling;
         # temperature 0 or top_k 1 is greedy as well.
-        sampling = SamplingParams(temperature=_opt(request, "temperature", 1.0), top_k=top_k,
+        sampling = SamplingParams(temperature=temperature, top_k=top_k,
                                   top_p=top_p if top_p > 0 else 1.0, seed=seed)
         if top_k == 0 and top_p <= 0:
             sampling = SamplingParams(temperature=0.0, seed=seed)
-        exclude = bool(_opt(request, "exclude_input_in_output", self.exclude_input, bool))
-        bias = pb_utils.get_input_tensor_by_name(request, "embedding_bias")
-        bias = bias.as_numpy().reshape(-1) if bias is not None else None
+        bias = row.embedding_bias
         req = GenerationRequest(
-            prompt=prompt,
-            max_new_tokens=_opt(request, "request_output_len", 0, int),
-            end_id=_opt(request, "end_id", None, int),
-            sampling=sampling,
-            min_tokens=_opt(request, "min_tokens", 0, int),
-            repetition_penalty=_opt(request, "repetition_penalty", 1.0),
-            presence_penalty=_opt(request, "presence_penalty", 0.0),
-            frequency_penalty=_opt(request, "frequency_penalty", 0.0),
-            stop_words=_words(request, "stop_words_list"),
-            bad_words=_words(request, "bad_words_list"),
-            return_log_probs=bool(_opt(request, "return_log_probs", False, bool)),
-            streaming=bool(_opt(request, "streaming", False, bool)),
-            embedding_bias=torch.from_numpy(bias.copy()) if bias is not None and bias.size
-            else None,
-            is_cancelled=getattr(sender, "cancelled", lambda: False))
-        want_in = bool(_opt(request, "return_num_input_tokens", False, bool))
-        want_out = bool(_opt(request, "return_num_output_tokens", False, bool))
-
-        def respond(tokens, log_probs, final, cum_log_prob, generated):
-            out = tokens if (exclude or req.streaming) else prompt + tokens
-            tensors = [pb_utils.Tensor("output_ids", np.array([[out]], dtype=np.int32)),
-                       pb_utils.Tensor("sequence_length", np.array([[len(out)]], np.int32)),
-                       pb_utils.Tensor("batch_index", np.array([[0]], np.int32)),
-                       pb_utils.Tensor("sequence_index", np.array([[0]], np.int32))]
-            if req.return_log_probs:
-                tensors += [pb_utils.Tensor("cum_log_probs",
-                                            np.array([[cum_log_prob]], np.float32)),
-                            pb_utils.Tensor("output_log_probs",
-                                            np.array([[log_probs]], np.float32))]
-            if want_in:
-                tensors.append(pb_utils.Tensor("num_input_tokens",
-                                               np.array([[len(prompt)]], np.int32)))
-            if want_out:
-                tensors.append(pb_utils.Tensor("num_output_tokens",
-                                               np.array([[generated]], np.int32)))
-            sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
-                        flags=FINAL if final else 0)
-
-        def fail(message):
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
-                        flags=FINAL)
+            prompt=row.prompt, max_new_tokens=row.max_new_tokens, end_id=row.end_id,
+            sampling=sampling, min_tokens=row.min_tokens,
+            repetition_penalty=row.repetition_penalty, presence_penalty=row.presence_penalty,
+            frequency_penalty=row.frequency_penalty, stop_words=row.stop_words,
+            bad_words=row.bad_words, return_log_probs=row.return_log_probs,
+            streaming=row.streaming,
+            embedding_bias=torch.from_numpy(bias.copy()) if bias is not None else None,
+            is_cancelled=group.sender.cancelled,
+            return_context_logits=row.return_context_logits,
+            return_generation_logits=row.return_generation_logits)
+        sent_first = []
 
         # Called on the engine thread: snapshot what the response needs, then build and send
-        # it on the outbox thread (decoupled) so the engine never waits for the server.
+        # it on the outbox thread so the engine never waits for the server.
         def on_tokens(tokens, log_probs, final):
             self._tokens += len(tokens) if req.streaming else len(req.generated)
-            args = (list(tokens), list(log_probs), final, sum(req.log_probs), len(req.generated))
-            if isinstance(sender, _Tracked):
-                self.outbox.put(respond, *args)
-            else:
-                respond(*args)
+            out = list(tokens) if (row.exclude_input or row.streaming) else row.prompt + tokens
+            ctx = None
+            if req.context_logits is not None and not sent_first:
+                ctx = req.context_logits.float().numpy()
+            sent_first.append(True)
+            gen = None
+            if req.return_generation_logits:
+                steps = (req.generation_logits[len(req.generation_logits) - len(tokens):]
+                         if req.streaming else req.generation_logits)
+                gen = (torch.stack(steps).float().numpy() if steps
+                       else np.zeros((0, self.engine.model.vocab_size), np.float32))
+            perf = _perf(req) if row.return_perf_metrics else None
+            result = contract.Result(out, list(log_probs), float(sum(req.log_probs)), ctx, gen,
+                                     perf)
+            self.outbox.put(group.respond, row, result, seq, batch_size, final, req)
 
         def on_error(message):
-            if isinstance(sender, _Tracked):
-                self.outbox.put(fail, message)
-            else:
-                fail(message)
+            self.outbox.put(group.fail, message, req)
 
         req.on_tokens, req.on_error = on_tokens, on_error
         return req
@@ -224,8 +210,51 @@ class TritonPythonModel:
         del self.expert_metrics, self.tokens_metric, self.running_metric
 
 
+def _perf(req):
+    """return_perf_metrics outputs. Times are CLOCK_MONOTONIC nanoseconds (TensorRT-LLM reports
+    its steady clock). The cpu target's KV cache is one slot per request and reuses nothing,
+    so the block counts count that slot; there is no speculative decoding."""
+    return {"kv_cache_alloc_new_blocks": 1, "kv_cache_reused_blocks": 0,
+            "kv_cache_alloc_total_blocks": 1, "arrival_time_ns": req.arrival_ns,
+            "first_scheduled_time_ns": req.scheduled_ns,
+            "first_token_time_ns": req.first_token_ns, "last_token_time_ns": req.last_token_ns,
+            "acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
+
+
+class _Group:
+    """The rows (x sequences) of one Triton request: the FINAL flag goes with the final
+    response of the last one to finish (model_instance_state.cc WaitForResponse). Used on the
+    outbox thread only."""
+
+    def __init__(self, model, sender, request_id, pending):
+        self.model, self.sender, self.request_id, self.pending = model, sender, request_id, pending
+        self.finished = []
+
+    def _flags(self, final, req):
+        if not final:
+            return 0
+        self.pending -= 1
+        self.finished.append(req)
+        if self.pending:
+            return 0
+        self.model._forget(self.request_id, self.finished)
+        return FINAL
+
+    def respond(self, row, result, seq, batch_size, final, req):
+        arrays = contract.response_arrays(row, result, batch_size=batch_size,
+                                          sequence_index=seq,
+                                          logits_dtype=self.model.logits_dtype)
+        tensors = [pb_utils.Tensor(name, value) for name, value in arrays.items()]
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
+                         flags=self._flags(final, req))
+
+    def fail(self, message, req):
+        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+                         flags=self._flags(True, req))
+
+
 class _Tracked:
-    """A decoupled request's response sender, as the outbox thread sees it."""
+    """A request's response sender, as the outbox thread sees it."""
 
     def __init__(self, sender):
         self.sender = sender
@@ -236,6 +265,8 @@ class _Tracked:
         return self.is_cancelled_flag
 
     def send(self, response=None, flags=0):
+        if self.done:  # the request already ended (e.g. an error of another row)
+            return
         self.sender.send(response, flags=flags)
         if flags & FINAL:
             self.done = True
@@ -286,18 +317,3 @@ class _Outbox:
                 for t in self._live:
                     if not t.is_cancelled_flag and t.sender.is_cancelled():
                         t.is_cancelled_flag = True
-
-
-class _Collector:
-    """A response sender for non-decoupled mode: keeps the final response for execute()."""
-
-    def __init__(self, slots, index, event):
-        self.slots, self.index, self.event = slots, index, event
-
-    def is_cancelled(self):
-        return False
-
-    def send(self, response, flags=0):
-        if flags & FINAL:
-            self.slots[self.index] = response
-            self.event.set()

@@ -7,7 +7,10 @@ tensorrt_llm is imported there, so a server without it fails with one line namin
 to use. Requests are parsed in ``execute`` and generated as coroutines on one asyncio loop with
 ``generate_async``: in decoupled mode a streaming request gets one response per new token, every
 request ends with a response flagged FINAL (also when it fails), and a cancelled request is
-aborted. Stop / bad words of one token go to TensorRT-LLM as token ids; longer ones as their
+aborted, and so is a running request when a ``stop`` request with its request id arrives
+(decoupled mode). One prompt per request (batch size 1); the tensors of features this target
+does not serve (logits, perf metrics, LoRA, p-tuning, guided decoding) are refused by name.
+Stop / bad words of one token go to TensorRT-LLM as token ids; longer ones as their
 decoded text, which TensorRT-LLM encodes again.
 """
 
@@ -25,6 +28,20 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class RequestError(ValueError):
     """A request the client can fix (answered as INVALID_ARG)."""
+
+
+# Inputs of TensorRT-LLM's tensor contract this target does not serve: refused when given.
+UNSUPPORTED = ("return_context_logits", "return_generation_logits", "return_perf_metrics",
+               "prompt_embedding_table", "prompt_vocab_size", "lora_task_id", "lora_weights",
+               "lora_config", "guided_decoding_guide_type", "guided_decoding_guide")
+
+
+def _given(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None or not t.as_numpy().size:
+        return False
+    value = t.as_numpy().reshape(-1)
+    return bool(value[0]) if value.dtype == np.bool_ else True
 
 
 def _opt(request, name, default=None, kind=float):
@@ -87,12 +104,17 @@ class TritonPythonModel:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                        name="moepipe-trtllm-requests")
         self.thread.start()
+        self.live = {}  # request id -> running generations (a `stop` request aborts them)
 
     def execute(self, requests):
         jobs = []
         for request in requests:
             sender = request.get_response_sender() if self.decoupled else _Last()
             try:
+                if _given(request, "stop"):
+                    self._stop(request.request_id(), sender)
+                    jobs.append((None, sender))
+                    continue
                 job = self._parse(request)
             except Exception as e:  # answered here: execute must not raise in decoupled mode
                 code = pb_utils.TritonError.INVALID_ARG if isinstance(e, ValueError) \
@@ -110,10 +132,25 @@ class TritonPythonModel:
                 future.result()
         return [sender.response for _, sender in jobs]
 
+    def _stop(self, request_id, sender):
+        """TensorRT-LLM's handleStopRequest: abort the named request; answer the stop request
+        with one empty response."""
+        if not request_id:
+            raise RequestError("Trying to stop a request but request ID is not provided")
+        for result in list(self.live.get(request_id, [])):
+            self.loop.call_soon_threadsafe(result.abort)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+
     def _parse(self, request):
         ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if ids is None:
             raise RequestError("input_ids is required")
+        if ids.as_numpy().ndim == 2 and ids.as_numpy().shape[0] > 1:
+            raise RequestError("batch size > 1 is not supported by the trtllm-pytorch target yet: "
+                               "send one request per prompt")
+        for name in UNSUPPORTED:
+            if _given(request, name):
+                raise RequestError(f"{name} is not supported by the trtllm-pytorch target")
         prompt = ids.as_numpy().reshape(-1).tolist()
         prompt = prompt[:_opt(request, "input_lengths", len(prompt), int)]
         max_tokens = _opt(request, "request_output_len", 0, int)
@@ -153,7 +190,8 @@ class TritonPythonModel:
             else None,
             logprobs=1 if want_log_probs else None,
             detokenize=False)
-        return {"prompt": prompt, "sampling": sampling, "streaming": streaming,
+        return {"id": request.request_id(), "prompt": prompt, "sampling": sampling,
+                "streaming": streaming,
                 "log_probs": want_log_probs,
                 "exclude": bool(_opt(request, "exclude_input_in_output", self.exclude_input,
                                      bool)),
@@ -164,11 +202,13 @@ class TritonPythonModel:
         return self.llm.tokenizer.decode(ids)
 
     async def _serve(self, job, sender):
-        done, watch = False, None
+        done, watch, result = False, None, None
         try:
             result = self.llm.generate_async({"prompt_token_ids": job["prompt"]},
                                              sampling_params=job["sampling"],
                                              streaming=job["streaming"])
+            if job["id"]:
+                self.live.setdefault(job["id"], []).append(result)
             watch = asyncio.ensure_future(self._watch(result, sender))
             sent = 0
             async for out in result:  # streaming: once per step; else once, when finished
@@ -182,7 +222,7 @@ class TritonPythonModel:
                         sender.send(self._response(job, [[token]], lp, [seq]),
                                     flags=FINAL if done else 0)
                     sent = len(seq.token_ids)
-            if not job["streaming"] and not sender.is_cancelled():
+            if not job["streaming"] and not sender.is_cancelled():  # also after a `stop`
                 beams = result.outputs
                 tokens = [(job["prompt"] if not job["exclude"] else []) + list(s.token_ids)
                           for s in beams]
@@ -199,6 +239,11 @@ class TritonPythonModel:
         finally:
             if watch is not None:
                 watch.cancel()
+            running = self.live.get(job["id"], [])
+            if result in running:
+                running.remove(result)
+                if not running:
+                    self.live.pop(job["id"], None)
             if not done:  # cancelled, or finished without a new token
                 sender.send(flags=FINAL)
 
@@ -217,9 +262,7 @@ class TritonPythonModel:
         tensors = [
             pb_utils.Tensor("output_ids", np.array(
                 [[t + [pad] * (width - len(t)) for t in tokens]], np.int32)),
-            pb_utils.Tensor("sequence_length", np.array([[len(t) for t in tokens]], np.int32)),
-            pb_utils.Tensor("batch_index", np.zeros((1, 1), np.int32)),
-            pb_utils.Tensor("sequence_index", np.zeros((1, 1), np.int32))]
+            pb_utils.Tensor("sequence_length", np.array([[len(t) for t in tokens]], np.int32))]
         if logprobs is not None:
             width = max(len(lp) for lp in logprobs)
             tensors += [
