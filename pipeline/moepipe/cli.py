@@ -128,6 +128,15 @@ def init(model: Path | None = typer.Option(None, "--model", help=field_help("mod
          moe_ep: int | None = typer.Option(None, "--moe-ep", help=field_help("parallel.moe_ep")),
          quantize: str = typer.Option("none", "--quantize", help=field_help("quantize.format")),
          kv_cache: str = typer.Option("none", "--kv-cache", help=field_help("quantize.kv_cache")),
+         use_plan: bool = typer.Option(False, "--plan", help="Fill parallel and build limits "
+                                       "from the best `moepipe plan` for --cluster."),
+         cluster: str = typer.Option("8xH100", "--cluster", help="With --plan: GPUSxKIND or "
+                                     "NODESxGPUSxKIND (A100-40, A100-80, H100, H200, B200, "
+                                     "L40S)."),
+         isl: int = typer.Option(2048, "--isl", help="With --plan: input tokens per request."),
+         osl: int = typer.Option(512, "--osl", help="With --plan: output tokens per request."),
+         goal: str = typer.Option("throughput", "--goal", help="With --plan: throughput | "
+                                  "latency."),
          force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
          config: Path = typer.Option(Path("moepipe.yaml"), "-c", "--config",
                                      help="File to write.")) -> None:
@@ -144,11 +153,67 @@ def init(model: Path | None = typer.Option(None, "--model", help=field_help("mod
     path_text = None
     if model is not None:
         path_text = os.path.relpath(model.resolve(), config.resolve().parent)
+    build, note = None, None
+    if use_plan:
+        from moepipe.commands.plan import PlanRequest, init_values, run_plan
+
+        chosen = init_values(run_plan(PlanRequest(
+            str(model) if model is not None else str(example_name), cluster=cluster, isl=isl,
+            osl=osl, goal=goal, quantize="auto" if quantize == "none" else quantize,
+            kv_cache=kv_cache, target=target)))
+        par, build, note = chosen["parallel"], chosen["build"], chosen["note"]
+        tp, pp, moe_tp, moe_ep = par["tp"], par["pp"], par["moe_tp"], par["moe_ep"]
     text = render_init(model_path=path_text, example=example_name, target=target, tp=tp,
                        pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, quantize=quantize,
-                       kv_cache=kv_cache)
+                       kv_cache=kv_cache, build=build, note=note)
     write_text_atomic(config, text)
+    if note:
+        _echo(f"parallel: tp={tp} pp={pp} moe_tp={moe_tp} moe_ep={moe_ep} ({note})")
     _echo(f"wrote {config}; next: moepipe build")
+
+
+@app.command("plan")
+def plan_cmd(model: str = typer.Argument(..., help="Checkpoint folder, config.json, a built-in "
+                                         "example or a published model: Mixtral-8x7B, "
+                                         "Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3."),
+             cluster: str = typer.Option("8xH100", "--cluster", help="GPUSxKIND or "
+                                         "NODESxGPUSxKIND; KIND: A100-40, A100-80, H100, H200, "
+                                         "B200, L40S."),
+             isl: int = typer.Option(2048, "--isl", help="Input tokens per request."),
+             osl: int = typer.Option(512, "--osl", help="Output tokens per request."),
+             goal: str = typer.Option("throughput", "--goal", help="throughput | latency"),
+             quantize: str = typer.Option("auto", "--quantize", help="auto (as published) | "
+                                          "none | fp8 | fp8_block | int8_sq | int4_awq | "
+                                          "w4a8_awq | nvfp4"),
+             kv_cache: str = typer.Option("none", "--kv-cache", help="none | fp8 | int8"),
+             kv_fraction: float = typer.Option(0.9, "--kv-fraction", help="Share of the free "
+                                               "GPU memory the KV cache takes."),
+             target: str = typer.Option("trtllm-pytorch", "--target",
+                                        help="cpu | trtllm-engine | trtllm-pytorch"),
+             max_num_tokens: int = typer.Option(8192, "--max-num-tokens",
+                                                help="Tokens per engine step."),
+             nvlink_gbps: float | None = typer.Option(None, "--nvlink-gbps",
+                                                      help="NVLink GB/s per direction."),
+             internode_gbps: float | None = typer.Option(None, "--internode-gbps",
+                                                         help="Network GB/s per GPU."),
+             as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+             write: Path | None = typer.Option(None, "--write", help="Also write "
+                                               "aiconfigurator's inputs into this folder."),
+             top: int = typer.Option(12, "--top", help="Rows of the table.")) -> None:
+    """Which parallel mapping fits a cluster: weights, KV cache, traffic, ranked for a goal."""
+    from moepipe.commands.plan import PlanRequest, model_id, run_plan, to_json
+    from moepipe.planner.aic import write_aiconfigurator
+    from moepipe.planner.report import format_plan
+
+    result = run_plan(PlanRequest(model, cluster, isl, osl, goal, quantize, kv_cache,
+                                  kv_fraction, target, max_num_tokens, nvlink_gbps,
+                                  internode_gbps))
+    written = None
+    if write is not None:
+        written = write_aiconfigurator(result, model_id(model), write)
+    typer.echo(to_json(result) if as_json else format_plan(result, top))
+    if written is not None:
+        _echo(f"wrote {written}; run: aiconfigurator cli exp --yaml-path {written}")
 
 
 @app.command()

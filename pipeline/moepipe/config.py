@@ -594,9 +594,7 @@ quantize:
 
 # Serving limits: TensorRT engines are built for them; the cpu target sizes its KV cache by them.
 build:
-  max_batch_size: 8
-  max_input_len: 1024
-  max_seq_len: 2048
+{build_block}
 
 deploy:
   # The server binds to loopback; set 0.0.0.0 only behind your own network controls.
@@ -622,10 +620,16 @@ workdir: moepipe-work
 """
 
 
+INIT_BUILD = {"max_batch_size": 8, "max_input_len": 1024, "max_seq_len": 2048}
+
+
 def render_init(*, model_path: str | None, example: str | None, target: str, tp: int, pp: int,
                 moe_tp: int | None, moe_ep: int | None, quantize: str = "none",
-                kv_cache: str = "none") -> str:
-    """A commented moepipe.yaml; validated before it is returned."""
+                kv_cache: str = "none", build: dict[str, Any] | None = None,
+                note: str | None = None) -> str:
+    """A commented moepipe.yaml; validated before it is returned. ``build``: the build
+    section's values (default :data:`INIT_BUILD`); ``note``: a comment above ``parallel``
+    (where the values come from, e.g. `moepipe init --plan`)."""
     from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
 
     if model_path is not None:
@@ -635,10 +639,14 @@ def render_init(*, model_path: str | None, example: str | None, target: str, tp:
         model_line = ("  # A built-in tiny example (written under the workdir by `build`);\n"
                       "  # replace with `path: /models/your-checkpoint` for a real model.\n"
                       f"  example: {example}")
+    build_block = "\n".join(f"  {k}: {v}" for k, v in (build or INIT_BUILD).items())
     text = INIT_TEMPLATE.format(
         model_line=model_line, target=target, tp=tp, pp=pp, trtllm=TRTLLM_ENGINE_VERSION,
+        build_block=build_block,
         quant_format=quantize, kv_cache=kv_cache,
         min_agreement="1.0" if quantize == "none" else "0.0",
         moe_tp="" if moe_tp is None else moe_tp, moe_ep="" if moe_ep is None else moe_ep)
+    if note:
+        text = text.replace("\nparallel:\n", f"\n# {note}\nparallel:\n", 1)
     parse_config(yaml.safe_load(text), "moepipe.yaml", text)
     return text

@@ -15,7 +15,7 @@ Rules (TensorRT-LLM ``tensorrt_llm/mapping.py``, 1.2.x):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from moepipe.arch.spec import ModelSpec
 from moepipe.errors import MappingError
@@ -133,7 +133,27 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def mapping_problems(spec: ModelSpec, m: Mapping) -> list[str]:
+class Shardable(Protocol):
+    """What the sharding rules read of a model: a :class:`ModelSpec`, or the planner's
+    ``ModelShape`` of a family moepipe does not convert yet."""
+
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def expert_intermediate_size(self) -> int: ...
+    @property
+    def shared_expert_intermediate_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+
+
+def mapping_problems(spec: Shardable, m: Mapping) -> list[str]:
     """Why ``m`` cannot shard ``spec`` (empty when it can)."""
     problems = []
     if spec.num_heads % m.tp:

@@ -1,0 +1,86 @@
+"""``moepipe plan`` and ``moepipe init --plan``: the requests, checked, and their answers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moepipe.errors import ConfigError
+from moepipe.planner.estimate import Workload
+from moepipe.planner.hardware import parse_cluster
+from moepipe.planner.plan import HF_IDS, PUBLISHED, Plan, load_model, make_plan
+
+KV_CACHE = ("none", "fp8", "int8")
+GIB = 1 << 30
+
+
+@dataclass
+class PlanRequest:
+    model: str
+    cluster: str = "8xH100"
+    isl: int = 2048
+    osl: int = 512
+    goal: str = "throughput"
+    quantize: str = "auto"
+    kv_cache: str = "none"
+    kv_fraction: float = 0.9
+    target: str = "trtllm-pytorch"
+    max_num_tokens: int = 8192
+    nvlink_gbps: float | None = None
+    internode_gbps: float | None = None
+
+
+def run_plan(req: PlanRequest) -> Plan:
+    """The plan a request asks for (every input checked, errors as MoepipeError)."""
+    if req.kv_cache not in KV_CACHE:
+        raise ConfigError(f"--kv-cache '{req.kv_cache}' is unknown",
+                          f"choose one of {', '.join(KV_CACHE)}")
+    model = load_model(req.model)
+    cluster = parse_cluster(req.cluster, req.nvlink_gbps, req.internode_gbps)
+    fmt = (model.published_quant or "none") if req.quantize == "auto" else req.quantize
+    kv_bytes = 1 if req.kv_cache != "none" else {"float32": 4}.get(model.dtype, 2)
+    workload = Workload(req.isl, req.osl, req.goal, fmt, kv_bytes, req.kv_fraction,
+                        req.max_num_tokens, kv_format=req.kv_cache)
+    return make_plan(model, cluster, workload, req.target)
+
+
+def model_id(source: str) -> str:
+    """What aiconfigurator is told the model is: the Hugging Face id of a published config,
+    else the folder (aiconfigurator reads its config.json)."""
+    if source in HF_IDS:
+        return HF_IDS[source]
+    path = Path(source)
+    if path.name == "config.json":
+        path = path.parent
+    if not path.is_dir():
+        raise ConfigError(f"aiconfigurator needs a Hugging Face id or a checkpoint folder, not "
+                          f"'{source}'", f"published models: {', '.join(PUBLISHED)}")
+    return str(path.resolve())
+
+
+def init_values(plan: Plan) -> dict[str, Any]:
+    """``parallel`` and ``build`` values of moepipe.yaml from the best plan that moepipe.yaml
+    can express (attention data parallelism has no key there yet)."""
+    best = next((e for e in plan.candidates if e.fits and not e.sharding.attention_dp), None)
+    if best is None:
+        raise ConfigError(f"no mapping of {plan.model.name} fits {plan.cluster.describe()}",
+                          "`moepipe plan` shows why; use more or larger GPUs, or quantize")
+    s, w = best.sharding, plan.workload
+    return {
+        "parallel": {"tp": s.tp, "pp": s.pp, "moe_tp": s.moe_tp, "moe_ep": s.moe_ep},
+        "build": {"max_batch_size": max(1, min(best.batch, 4096)),
+                  "max_input_len": w.isl, "max_seq_len": w.seq_len,
+                  "max_num_tokens": max(w.max_num_tokens, w.isl),
+                  "gpu_memory_gb": round(plan.cluster.gpu.memory / GIB, 1)},
+        "note": (f"from `moepipe plan` on {plan.cluster.describe()} (goal {w.goal}, isl {w.isl}"
+                 f" + osl {w.osl}): {best.max_sequences} sequences of KV cache per instance"),
+    }
+
+
+def to_json(plan: Plan) -> str:
+    from moepipe.planner.report import plan_dict
+
+    return json.dumps(plan_dict(plan), indent=2)
+

@@ -1,0 +1,156 @@
+"""``moepipe plan``: every legal mapping of a model on a cluster, estimated and ranked.
+
+A model is a checkpoint folder, a built-in example or a bare ``config.json`` (published
+configs plan without weights). For each legal (tp, pp, moe_tp, moe_ep) - and, on the
+trtllm-pytorch target, each with attention data parallelism - :func:`moepipe.plan.estimate`
+gives memory, KV capacity, traffic and a roofline time; mappings that do not fit are ranked
+last with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from moepipe.errors import ConfigError
+from moepipe.planner.estimate import Estimate, Workload, estimate
+from moepipe.planner.hardware import Cluster
+from moepipe.planner.shapes import ModelShape, model_shape
+from moepipe.planner.weights import FORMATS, Sharding, model_bytes
+from moepipe.trtllm.mapping import Mapping, mapping_problems
+
+# Published config.json files shipped with moepipe (plan without downloading anything):
+# mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, deepseek-ai/DeepSeek-V3
+# (their Hugging Face model repositories; README.md of this folder lists the sources).
+CONFIGS = Path(__file__).parent / "configs"
+PUBLISHED = {
+    "Mixtral-8x7B": CONFIGS / "mixtral-8x7b.json",
+    "Qwen3-30B-A3B": CONFIGS / "qwen3-30b-a3b.json",
+    "Qwen3-235B-A22B": CONFIGS / "qwen3-235b-a22b.json",
+    "DeepSeek-V3": CONFIGS / "deepseek-v3.json",
+}
+HF_IDS = {"Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1", "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
+          "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B", "DeepSeek-V3": "deepseek-ai/DeepSeek-V3"}
+GOALS = ("throughput", "latency")
+TARGETS = ("cpu", "trtllm-engine", "trtllm-pytorch")
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+CONVERT_BASE = 150 << 20  # moepipe.preflight.CONVERT_BASE
+CONVERT_BLOCKS = 16 << 20  # 16 blocks of 1 MiB in flight
+
+
+@dataclass
+class Plan:
+    model: ModelShape
+    cluster: Cluster
+    workload: Workload
+    target: str
+    candidates: list[Estimate]
+    host_memory: dict[str, int]
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.candidates[0] if self.candidates and self.candidates[0].fits else None
+
+
+def load_model(source: str | Path) -> ModelShape:
+    """A model from a checkpoint folder, a ``config.json`` file, a published config's name
+    (:data:`PUBLISHED`) or a built-in example."""
+    from moepipe.examples import EXAMPLES
+
+    if str(source) in PUBLISHED:
+        cfg = json.loads(PUBLISHED[str(source)].read_text())
+        return model_shape(cfg, str(source), str(PUBLISHED[str(source)]))
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path}: not readable JSON ({e})") from None
+        return model_shape(cfg, path.parent.name if path.name == "config.json" else path.stem,
+                           str(path))
+    if str(source) in EXAMPLES:
+        ex = EXAMPLES[str(source)]
+        arch = ex.config_class.removesuffix("Config") + "ForCausalLM"
+        return model_shape({"architectures": [arch], "torch_dtype": "float32", **ex.config},
+                           str(source), f"example {source}")
+    raise ConfigError(f"model '{source}' is neither a folder, a config.json, a published model "
+                      "nor an example",
+                      f"published: {', '.join(PUBLISHED)}; examples: {', '.join(EXAMPLES)}")
+
+
+def candidates(model: ModelShape, max_world: int, target: str) -> list[Sharding]:
+    """Legal shardings with at most ``max_world`` GPUs (powers of two, as ``inspect``)."""
+    out = []
+    sizes = [s for s in SIZES if s <= max_world]
+    for tp in sizes:
+        for pp in sizes:
+            if tp * pp > max_world:
+                continue
+            for ep in sizes:
+                if tp % ep:
+                    continue
+                m = Mapping.create(tp=tp, pp=pp, moe_ep=ep)
+                if mapping_problems(model, m) or _dense_problem(model, m):
+                    continue
+                out.append(Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep))
+                if target == "trtllm-pytorch" and tp > 1:
+                    out.append(Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep, attention_dp=True))
+    return out
+
+
+def _dense_problem(model: ModelShape, m: Mapping) -> bool:
+    return bool(model.dense_layers) and model.dense_intermediate_size % m.tp != 0
+
+
+def host_memory(model: ModelShape) -> dict[str, int]:
+    """Peak host RAM of the build stages: convert (streams; a column slice reads a whole
+    tensor, cut and cast: three copies of the largest) and quantize (modelopt holds the model in
+    float32: ``moepipe.stages.quantize.quantize_memory``)."""
+    from moepipe.stages.quantize import quantize_memory
+
+    return {"convert": CONVERT_BASE + CONVERT_BLOCKS + 3 * model.largest_tensor_bytes(),
+            "quantize": quantize_memory(model.parameters())}
+
+
+def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
+              target: str = "trtllm-pytorch") -> Plan:
+    """Estimate and rank every legal mapping of ``model`` on ``cluster``."""
+    if workload.goal not in GOALS:
+        raise ConfigError(f"goal '{workload.goal}' is unknown", f"choose {' or '.join(GOALS)}")
+    if target not in TARGETS:
+        raise ConfigError(f"target '{target}' is unknown", f"choose one of {', '.join(TARGETS)}")
+    if workload.fmt not in FORMATS:
+        raise ConfigError(f"quantization format '{workload.fmt}' is unknown",
+                          f"choose one of {', '.join(FORMATS)}")
+    if workload.isl < 1 or workload.osl < 1:
+        raise ConfigError("input and output lengths must be at least 1 token")
+    if workload.seq_len > model.max_position_embeddings:
+        raise ConfigError(f"isl + osl = {workload.seq_len} exceeds the model's "
+                          f"max_position_embeddings ({model.max_position_embeddings})",
+                          "plan shorter sequences")
+    if not 0 < workload.kv_fraction < 1:
+        raise ConfigError(f"the KV-cache memory fraction must be in (0, 1), got "
+                          f"{workload.kv_fraction}", "TensorRT-LLM's default is 0.9")
+    # trtllm-pytorch loads the Hugging Face checkpoint; the others TensorRT-LLM's
+    workload = replace(workload, hf_layout=target == "trtllm-pytorch")
+    ests = [estimate(model, cluster, s, workload)
+            for s in candidates(model, cluster.gpus, target)]
+    if workload.goal == "latency":
+        key = lambda e: (not e.fits, e.tpot_s, -e.max_sequences)  # noqa: E731
+    else:
+        key = lambda e: (not e.fits, -e.tokens_per_s_per_gpu, e.tpot_s)  # noqa: E731
+    fitting = sorted((e for e in ests if e.fits), key=key)
+    others = sorted((e for e in ests if not e.fits), key=lambda e: e.weights)
+    return Plan(model, cluster, workload, target, fitting + others, host_memory(model))
+
+
+def model_summary(model: ModelShape, fmt: str) -> dict[str, Any]:
+    return {"name": model.name, "architecture": model.architecture,
+            "parameters": model.parameters(), "active_parameters": model.active_parameters(),
+            "attention": "MLA" if model.mla else "GQA", "layers": model.num_layers,
+            "moe_layers": model.moe_layers, "experts": model.num_experts, "top_k": model.top_k,
+            "weight_bytes": model_bytes(model, fmt)}

@@ -1,0 +1,308 @@
+"""Every weight of a MoE model from its ``config.json`` alone, and what one GPU holds of it.
+
+The planner needs exact bytes for models moepipe may not convert yet (DeepSeek-V3's MLA, dense
+first layers, sigmoid-routing bias), so it reads the published ``config.json`` itself: one
+:class:`ModelShape` per model, and :meth:`ModelShape.tensors` lists every tensor of a decoder
+layer as TensorRT-LLM's checkpoint holds it (q/k/v fused, experts stacked ``[E, 2I, H]`` with
+up|gate fused), each with the rule that shards it. For the families moepipe converts the
+per-rank bytes equal the converter's plan exactly (tests compare them for every legal mapping).
+
+Sharding (TensorRT-LLM 1.2, ``tensorrt_llm/mapping.py`` and the model's ``convert.py``):
+
+* attention heads split by ``tp`` (KV heads duplicated when fewer than tp); attention data
+  parallelism (``enable_attention_dp``, trtllm-pytorch) replicates attention instead;
+* routed experts: ``E / moe_ep`` per rank, each ``I / moe_tp`` wide; the router replicated;
+* shared experts and dense MLPs split by ``tp``;
+* embedding replicated on the first pipeline stage, ``lm_head`` (vocab padded to a multiple of
+  tp) split by tp on the last, with the final norm.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from moepipe.errors import CheckpointError, UnsupportedError
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of a layer (or of the model) and how ranks share it.
+
+    ``split``: ``None`` replicated; ``"heads_rows"`` / ``"heads_cols"`` split by attention tp;
+    ``"qkv_rows"`` q heads split by tp, then K and V rows of ``kv_heads`` heads of
+    ``head_dim``, ceil(kv/tp) heads each per rank (duplicated when fewer than tp);
+    ``"tp_rows"`` / ``"tp_cols"`` split by the full tp; ``"vocab"`` rows padded to a multiple of
+    tp, then split; ``"expert_rows"`` / ``"expert_cols"`` a stack of ``experts`` matrices split
+    by moe_ep (the stack) and moe_tp (the given dim).
+    ``linear``: a GEMM weight that a quantization format stores in its own type.
+    ``float32``: stored in float32 whatever the model dtype (routing bias; ``router``: the
+    router, float32 in TensorRT-LLM's checkpoint, the model dtype in Hugging Face's).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    split: str | None = None
+    linear: bool = False
+    float32: bool = False
+    router: bool = False
+    experts: int = 1
+    kv_heads: int = 0
+    head_dim: int = 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a MoE decoder that decide its weights, KV cache and traffic."""
+
+    name: str
+    architecture: str
+    dtype: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
+    qk_norm: bool = False
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank == 0 means GQA.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    routing_bias: bool = False
+    max_position_embeddings: int = 4096
+    published_quant: str | None = None  # e.g. "fp8_block" for DeepSeek's own checkpoint
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - len(self.dense_layers)
+
+    @property
+    def attn_width(self) -> int:
+        """Width of the attention output (heads x value head dim)."""
+        return self.num_heads * (self.v_head_dim if self.mla else self.head_dim)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    # -- tensors ---------------------------------------------------------------------------
+    def layer_tensors(self, layer: int) -> Iterator[Tensor]:
+        """The tensors of decoder layer ``layer`` (TensorRT-LLM checkpoint granularity)."""
+        h = self.hidden_size
+        yield Tensor("input_layernorm.weight", (h,))
+        yield Tensor("post_layernorm.weight", (h,))
+        yield from self._attention()
+        if not self.is_moe_layer(layer):
+            i = self.dense_intermediate_size
+            yield Tensor("mlp.fc.weight", (2 * i, h), "tp_rows", linear=True)
+            yield Tensor("mlp.proj.weight", (h, i), "tp_cols", linear=True)
+            return
+        e, i = self.num_experts, self.expert_intermediate_size
+        yield Tensor("mlp.router.weight", (e, h), float32=True, router=True)
+        if self.routing_bias:
+            yield Tensor("mlp.e_score_correction_bias", (e,), float32=True)
+        yield Tensor("mlp.fc.weight", (2 * i, h), "expert_rows", linear=True, experts=e)
+        yield Tensor("mlp.proj.weight", (h, i), "expert_cols", linear=True, experts=e)
+        if self.shared_expert_intermediate_size:
+            s = self.shared_expert_intermediate_size
+            yield Tensor("mlp.shared_expert.fc.weight", (2 * s, h), "tp_rows", linear=True)
+            yield Tensor("mlp.shared_expert.proj.weight", (h, s), "tp_cols", linear=True)
+            if self.shared_expert_gate:
+                yield Tensor("mlp.shared_expert_gate.weight", (1, h))
+
+    def _attention(self) -> Iterator[Tensor]:
+        h, n = self.hidden_size, self.num_heads
+        if self.mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            a_rows = self.kv_lora_rank + self.qk_rope_head_dim
+            if self.q_lora_rank:
+                a_rows += self.q_lora_rank
+                yield Tensor("attention.q_a_layernorm.weight", (self.q_lora_rank,))
+                yield Tensor("attention.q_b_proj.weight", (n * qk, self.q_lora_rank),
+                             "heads_rows", linear=True)
+            else:
+                yield Tensor("attention.q_proj.weight", (n * qk, h), "heads_rows", linear=True)
+            # q_a and kv_a fused, replicated (TensorRT-LLM DeepseekV2 fused_a).
+            yield Tensor("attention.fused_a.weight", (a_rows, h), linear=True)
+            yield Tensor("attention.kv_a_layernorm.weight", (self.kv_lora_rank,))
+            yield Tensor("attention.kv_b_proj.weight",
+                         (n * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+                         "heads_rows", linear=True)
+            yield Tensor("attention.dense.weight", (h, n * self.v_head_dim), "heads_cols",
+                         linear=True)
+            return
+        d, kv = self.head_dim, self.num_kv_heads
+        yield Tensor("attention.qkv.weight", ((n + 2 * kv) * d, h), "qkv_rows", linear=True,
+                     kv_heads=kv, head_dim=d)
+        if self.attention_bias:
+            yield Tensor("attention.qkv.bias", ((n + 2 * kv) * d,), "qkv_rows", kv_heads=kv,
+                         head_dim=d)
+        yield Tensor("attention.dense.weight", (h, n * d), "heads_cols", linear=True)
+        if self.qk_norm:
+            yield Tensor("attention.q_layernorm.weight", (d,))
+            yield Tensor("attention.k_layernorm.weight", (d,))
+
+    def model_tensors(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(first-stage, last-stage) tensors outside the decoder layers."""
+        v, h = self.vocab_size, self.hidden_size
+        first = [Tensor("transformer.vocab_embedding.weight", (v, h))]
+        last = [Tensor("transformer.ln_f.weight", (h,))]
+        if not self.tie_word_embeddings:
+            last.append(Tensor("lm_head.weight", (v, h), "vocab"))
+        return first, last
+
+    def all_tensors(self) -> Iterator[Tensor]:
+        first, last = self.model_tensors()
+        yield from first
+        for layer in range(self.num_layers):
+            yield from self.layer_tensors(layer)
+        yield from last
+
+    def parameters(self) -> int:
+        """Parameters of the Hugging Face model (all layers, experts and the routing bias;
+        DeepSeek's multi-token-prediction layer excluded, as transformers loads it)."""
+        return _parameters(self)
+
+    def active_parameters(self) -> int:
+        """Parameters one token passes through: top_k of the routed experts."""
+        per_expert = 3 * self.hidden_size * self.expert_intermediate_size
+        return self.parameters() - self.moe_layers * (self.num_experts - self.top_k) * per_expert
+
+    def largest_tensor_bytes(self) -> int:
+        """Largest single tensor of the Hugging Face checkpoint (per expert matrix)."""
+        b = DTYPE_BYTES[self.dtype]
+        return max(math.prod(t.shape) for t in self.all_tensors()) * b
+
+
+@functools.lru_cache(maxsize=64)
+def _parameters(model: ModelShape) -> int:
+    return sum(math.prod(t.shape) * t.experts for t in model.all_tensors())
+
+
+# -- reading config.json --------------------------------------------------------------------
+
+def _get(cfg: dict[str, Any], where: str, *keys: str, default: Any = KeyError) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    if default is KeyError:
+        raise CheckpointError(f"{where}: missing '{keys[0]}'",
+                              "is this a complete Hugging Face config.json of a MoE model?")
+    return default
+
+
+def _dtype(cfg: dict[str, Any]) -> str:
+    d = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    return d if d in DTYPE_BYTES else "bfloat16"
+
+
+def _gqa(cfg: dict[str, Any], where: str, name: str, arch: str, **extra: Any) -> ModelShape:
+    heads = _get(cfg, where, "num_attention_heads")
+    h = _get(cfg, where, "hidden_size")
+    layers = _get(cfg, where, "num_hidden_layers")
+    sparse_step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = tuple(sorted(set(cfg.get("mlp_only_layers") or []) | {
+        layer for layer in range(layers) if (layer + 1) % sparse_step}))
+    return ModelShape(
+        name=name, architecture=arch, dtype=_dtype(cfg),
+        vocab_size=_get(cfg, where, "vocab_size"), hidden_size=h, num_layers=layers,
+        num_heads=heads, num_kv_heads=_get(cfg, where, "num_key_value_heads", default=heads),
+        head_dim=_get(cfg, where, "head_dim", default=h // heads),
+        num_experts=_get(cfg, where, "num_local_experts", "num_experts"),
+        top_k=_get(cfg, where, "num_experts_per_tok"),
+        dense_layers=dense, dense_intermediate_size=int(cfg.get("intermediate_size") or 0),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096), **extra)
+
+
+def _mixtral(cfg, where, name):
+    return _gqa(cfg, where, name, "MixtralForCausalLM",
+                expert_intermediate_size=_get(cfg, where, "intermediate_size"))
+
+
+def _qwen2(cfg, where, name):
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return _gqa(cfg, where, name, "Qwen2MoeForCausalLM",
+                expert_intermediate_size=_get(cfg, where, "moe_intermediate_size"),
+                shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared),
+                attention_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", True))))
+
+
+def _qwen3(cfg, where, name):
+    return _gqa(cfg, where, name, "Qwen3MoeForCausalLM",
+                expert_intermediate_size=_get(cfg, where, "moe_intermediate_size"),
+                qk_norm=True, attention_bias=bool(cfg.get("attention_bias", False)))
+
+
+def _deepseek(cfg, where, name):
+    arch = cfg["architectures"][0]
+    layers = _get(cfg, where, "num_hidden_layers")
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    dense = tuple(layer for layer in range(layers)
+                  if layer < first_dense or layer % freq)
+    moe_inter = _get(cfg, where, "moe_intermediate_size")
+    quant = cfg.get("quantization_config") or {}
+    published = ("fp8_block" if quant.get("quant_method") == "fp8"
+                 and quant.get("weight_block_size") else None)
+    heads = _get(cfg, where, "num_attention_heads")
+    return ModelShape(
+        name=name, architecture=arch, dtype=_dtype(cfg),
+        vocab_size=_get(cfg, where, "vocab_size"), hidden_size=_get(cfg, where, "hidden_size"),
+        num_layers=layers, num_heads=heads, num_kv_heads=1,
+        head_dim=_get(cfg, where, "kv_lora_rank") + _get(cfg, where, "qk_rope_head_dim"),
+        num_experts=_get(cfg, where, "n_routed_experts"),
+        top_k=_get(cfg, where, "num_experts_per_tok"), expert_intermediate_size=moe_inter,
+        shared_expert_intermediate_size=moe_inter * int(cfg.get("n_shared_experts") or 0),
+        dense_layers=dense, dense_intermediate_size=_get(cfg, where, "intermediate_size"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        kv_lora_rank=_get(cfg, where, "kv_lora_rank"),
+        qk_nope_head_dim=_get(cfg, where, "qk_nope_head_dim"),
+        qk_rope_head_dim=_get(cfg, where, "qk_rope_head_dim"),
+        v_head_dim=_get(cfg, where, "v_head_dim"),
+        routing_bias=cfg.get("topk_method") == "noaux_tc",
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        published_quant=published)
+
+
+# HF architectures[0] -> reader. The planner knows more families than the converter: a plan
+# says what a model needs before moepipe can build it.
+READERS = {
+    "MixtralForCausalLM": _mixtral,
+    "Qwen2MoeForCausalLM": _qwen2,
+    "Qwen3MoeForCausalLM": _qwen3,
+    "DeepseekV2ForCausalLM": _deepseek,
+    "DeepseekV3ForCausalLM": _deepseek,
+}
+
+
+def model_shape(cfg: dict[str, Any], name: str, where: str = "config.json") -> ModelShape:
+    """A :class:`ModelShape` from a Hugging Face ``config.json`` dict."""
+    archs = cfg.get("architectures") or []
+    arch = str(archs[0]) if archs else ""
+    reader = READERS.get(arch)
+    if reader is None:
+        raise UnsupportedError(f"{where}: architecture {arch!r} cannot be planned",
+                               f"supported: {', '.join(sorted(READERS))}")
+    return reader(cfg, where, name)
