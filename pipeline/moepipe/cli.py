@@ -216,6 +216,38 @@ def plan_cmd(model: str = typer.Argument(..., help="Checkpoint folder, config.js
         _echo(f"wrote {written}; run: aiconfigurator cli exp --yaml-path {written}")
 
 
+@app.command("balance")
+def balance_cmd(metrics: str | None = typer.Option(None, "--metrics", help="A deployment's "
+                                                   "metrics URL (default, with a config: its "
+                                                   "own, http://HOST:METRICS_PORT/metrics)."),
+                counts: Path | None = typer.Option(None, "--counts", help="Expert token "
+                                                   "counts: JSON {\"layers\": {\"0\": [...]}}"
+                                                   " or saved metrics text."),
+                moe_ep: int | None = typer.Option(None, "--moe-ep", help="EP ranks (default: "
+                                                  "the config's parallel.moe_ep)."),
+                slots: int | None = typer.Option(None, "--slots", help="Expert slots per "
+                                                 "layer (default: experts + moe_ep)."),
+                out: Path = typer.Option(Path("expert-placement.yaml"), "--out",
+                                         help="Placement file to write."),
+                config: Path | None = ConfigOpt,
+                as_json: bool = typer.Option(False, "--json", help="Print the prediction as "
+                                             "JSON.")) -> None:
+    """Expert placement from measured load for TensorRT-LLM's MoE load balancer."""
+    from moepipe.commands.plan import format_balance, run_balance
+
+    if moe_ep is None or (metrics is None and counts is None):
+        from moepipe.config import load_config
+        from moepipe.trtllm.mapping import Mapping
+
+        cfg = load_config(config)
+        moe_ep = moe_ep or Mapping.of(cfg.parallel).moe_ep
+        if metrics is None and counts is None:
+            metrics = f"http://{cfg.deploy.host}:{cfg.deploy.metrics_port}/metrics"
+    placement = run_balance(metrics, counts, moe_ep, slots, out)
+    typer.echo(json.dumps(placement.summary(), indent=2) if as_json
+               else format_balance(placement, out))
+
+
 @app.command()
 def build(config: Path | None = ConfigOpt,
           dry_run: bool = typer.Option(False, "--dry-run",

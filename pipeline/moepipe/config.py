@@ -73,6 +73,9 @@ class ParallelSection(Section):
     moe_tp: int | None = Field(None, ge=1, description="MoE tensor-parallel size (default: "
                                                         "derived, moe_tp * moe_ep = tp).")
     moe_ep: int | None = Field(None, ge=1, description="MoE expert-parallel size.")
+    attention_dp: bool = Field(False, description="trtllm-pytorch: attention data parallelism "
+                               "(LLM API enable_attention_dp): attention weights replicated, "
+                               "each of the tp ranks serves its own requests; needs tp > 1.")
 
 
 class ConvertSection(Section):
@@ -202,6 +205,10 @@ class TrtllmDeploySection(Section):
                          "TRITON"] = Field(
         "CUTLASS", description="trtllm-pytorch: moe_config.backend (CUTLASS: TensorRT-LLM "
                                "1.0's default).")
+    expert_placement: Path | None = Field(
+        None, description="trtllm-pytorch: a `moepipe balance` placement file, rendered as "
+                          "moe_config.load_balancer (needs parallel.attention_dp, moe_ep >= 2 "
+                          "and moe_backend WIDEEP).")
 
 
 class DeploySection(Section):
@@ -381,6 +388,9 @@ class MoepipeConfig(Section):
             self.workdir = (base / self.workdir).resolve()
         if self.deploy.output is not None and not self.deploy.output.is_absolute():
             self.deploy.output = (base / self.deploy.output).resolve()
+        placement = self.deploy.trtllm.expert_placement
+        if placement is not None and not placement.is_absolute():
+            self.deploy.trtllm.expert_placement = (base / placement).resolve()
         cal = self.quantize.calibration
         if cal.dataset is not None and not cal.dataset.is_absolute():
             cal.dataset = (base / cal.dataset).resolve()
@@ -404,6 +414,25 @@ class MoepipeConfig(Section):
         if q.format in ("int8_sq", "w4a8_awq") and self.target == "trtllm-pytorch":
             raise ValueError(f"quantize.format {q.format} is served by the trtllm-engine target "
                              "only; the PyTorch backend takes fp8, int4_awq or nvfp4")
+        return self
+
+    @model_validator(mode="after")
+    def _attention_dp_and_placement(self):
+        p, t = self.parallel, self.deploy.trtllm
+        if p.attention_dp and self.target != "trtllm-pytorch":
+            raise ValueError("parallel.attention_dp is a TensorRT-LLM PyTorch backend feature; "
+                             "set target: trtllm-pytorch or attention_dp: false")
+        if p.attention_dp and p.tp < 2:
+            raise ValueError("parallel.attention_dp needs tp >= 2 (the attention data-parallel "
+                             "ranks are the tp ranks)")
+        if t.expert_placement is not None:
+            ep = p.moe_ep or 1
+            if self.target != "trtllm-pytorch" or not p.attention_dp or ep < 2 \
+                    or t.moe_backend != "WIDEEP":
+                raise ValueError("deploy.trtllm.expert_placement is TensorRT-LLM's MoE load "
+                                 "balancer: it needs target trtllm-pytorch, "
+                                 "parallel.attention_dp: true, parallel.moe_ep >= 2 and "
+                                 "deploy.trtllm.moe_backend: WIDEEP")
         return self
 
     @property

@@ -466,7 +466,8 @@ def test_pytorch_llm_arguments_come_from_the_config(deployments, examples):
     assert args["backend"] == "pytorch" and args["trust_remote_code"] is False
     assert (args["tensor_parallel_size"], args["pipeline_parallel_size"],
             args["moe_tensor_parallel_size"], args["moe_expert_parallel_size"]) == (2, 1, 1, 2)
-    assert args["moe_config"] == {"backend": "CUTLASS"}
+    assert args["moe_config"] == {"backend": "CUTLASS", "load_balancer": None}
+    assert args["enable_attention_dp"] is False
     assert (args["max_batch_size"], args["max_num_tokens"], args["max_seq_len"]) == \
         (cfg.build.max_batch_size, cfg.build.max_num_tokens, cfg.build.max_seq_len)
     assert args["kv_cache_config"] == {"free_gpu_memory_fraction": 0.9, "max_tokens": None,
@@ -491,6 +492,6 @@ def test_pytorch_serves_the_serving_checkpoint_and_set_knobs(examples, checkpoin
     assert args["model"] == str(serving.resolve())
     assert args["kv_cache_config"]["max_tokens"] == 4096
     assert args["kv_cache_config"]["max_attention_window"] == [1024]
-    assert args["moe_config"] == {"backend": "TRTLLM"}
+    assert args["moe_config"] == {"backend": "TRTLLM", "load_balancer": None}
     assert args["triton_config"]["decoupled"] is False
     assert configs(deploy)["tensorrt_llm"].model_transaction_policy.decoupled is False

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moepipe.errors import ConfigError
+from moepipe.planner.balance import Placement
 from moepipe.planner.estimate import Workload
 from moepipe.planner.hardware import parse_cluster
 from moepipe.planner.plan import HF_IDS, PUBLISHED, Plan, load_model, make_plan
@@ -84,3 +85,51 @@ def to_json(plan: Plan) -> str:
 
     return json.dumps(plan_dict(plan), indent=2)
 
+
+
+def fetch_metrics(url: str) -> str:
+    """The text of a Prometheus metrics endpoint (a Triton server's, usually on loopback)."""
+    import urllib.error
+    import urllib.request
+
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 (user's own URL)
+            return resp.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ConfigError(f"cannot read metrics from {url} ({getattr(e, 'reason', e)})",
+                          "is the deployment running? `moepipe status` shows its ports") \
+            from None
+
+
+def run_balance(metrics: str | None, counts_file: Path | None, moe_ep: int,
+                num_slots: int | None, out: Path) -> Placement:
+    """Read counts, place, write ``out``; returns the placement."""
+    from moepipe.planner.balance import (
+        balance,
+        counts_from_file,
+        counts_from_metrics,
+        write_placement,
+    )
+
+    if metrics is not None and counts_file is None:
+        counts = counts_from_metrics(fetch_metrics(metrics), metrics)
+    elif counts_file is not None and metrics is None:
+        counts = counts_from_file(counts_file)
+    else:
+        raise ConfigError("give exactly one of --metrics URL or --counts FILE",
+                          "e.g. --metrics http://127.0.0.1:8002/metrics")
+    placement = balance(counts, moe_ep, num_slots)
+    write_placement(placement, out)
+    return placement
+
+
+def format_balance(placement: Placement, out: Path) -> str:
+    s = placement.summary()
+    lines = [f"wrote {out}: {len(s['layers'])} MoE layer(s), {placement.num_slots} slots on "
+             f"{placement.moe_ep} EP ranks",
+             f"hottest rank / mean: before {s['max_over_mean_before']:.3f} (worst layer), "
+             f"{s['mean_max_over_mean_before']:.3f} (mean over layers); after "
+             f"{s['max_over_mean_after']:.3f}, {s['mean_max_over_mean_after']:.3f}"]
+    return "\n".join(lines)

@@ -9,6 +9,9 @@ hf_model_dir                    ``Artifacts.hf_serving_dir``, else ``Artifacts.m
 tensor_parallel_size, ...       ``parallel`` resolved by :class:`moepipe.trtllm.mapping.Mapping`
                                 (pipeline, moe_tensor and moe_expert parallel sizes too)
 moe_backend                     ``deploy.trtllm.moe_backend`` (moe_config.backend)
+enable_attention_dp             ``parallel.attention_dp``
+moe_load_balancer               ``deploy.trtllm.expert_placement``'s ``load_balancer`` (checked by
+                                :mod:`moepipe.trtllm.load_balancer`), null without one
 max_num_tokens, max_seq_len     ``build.<same name>``; max_batch_size is the shared
                                 ``triton_max_batch_size`` (``build.max_batch_size``)
 max_beam_width                  ``deploy.trtllm.max_beam_width``
@@ -36,7 +39,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from moepipe.deploy.targets.base import Artifacts, flag, quotable
+from moepipe.trtllm.load_balancer import read_placement
 from moepipe.trtllm.mapping import Mapping
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
 
@@ -57,6 +63,8 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
         "moe_tensor_parallel_size": str(mapping.moe_tp),
         "moe_expert_parallel_size": str(mapping.moe_ep),
         "moe_backend": t.moe_backend,
+        "enable_attention_dp": flag(cfg.parallel.attention_dp),
+        "moe_load_balancer": _load_balancer(cfg, mapping),
         "max_num_tokens": str(cfg.build.max_num_tokens),
         "max_seq_len": str(cfg.build.max_seq_len),
         "max_beam_width": str(t.max_beam_width),
@@ -71,3 +79,12 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
         "trtllm_container": TRITON_TRTLLM_CONTAINER,
         "trtllm_version": TRTLLM_ENGINE_VERSION,
     }
+
+
+def _load_balancer(cfg: MoepipeConfig, mapping: Mapping) -> str:
+    """``moe_config.load_balancer`` as a YAML flow mapping (integer layer keys), or null."""
+    path = cfg.deploy.trtllm.expert_placement
+    if path is None:
+        return "null"
+    block = read_placement(path, mapping.moe_ep)
+    return yaml.safe_dump(block, default_flow_style=True, width=1 << 30).strip()

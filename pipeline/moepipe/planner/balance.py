@@ -1,0 +1,244 @@
+"""Expert placement from measured load, for TensorRT-LLM's static MoE load balancer
+(:mod:`moepipe.trtllm.load_balancer` states its format and rules); tokens of an expert with
+several slots are assumed shared evenly among them.
+
+:func:`place` minimises the load of the hottest rank: the hottest experts get the redundant
+slots (each extra copy goes to the expert with the highest load per copy, as DeepSeek's EPLB
+does), then copies are packed heaviest first onto the least-loaded rank that has a free slot
+and no copy of the same expert yet.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from moepipe.errors import ConfigError
+from moepipe.trtllm.load_balancer import check_load_balancer
+from moepipe.utils.fs import write_text_atomic
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    slots: list[int]  # expert per global slot
+    rank_load: list[float]  # predicted tokens per rank
+
+    @property
+    def max_over_mean(self) -> float:
+        mean = sum(self.rank_load) / len(self.rank_load)
+        return max(self.rank_load) / mean if mean else 1.0
+
+
+def rank_loads(slots: list[int], counts: list[float], ep: int) -> list[float]:
+    """Tokens each EP rank receives when ``slots`` holds the experts (an expert's tokens are
+    split evenly over its copies)."""
+    copies = [0] * len(counts)
+    for e in slots:
+        copies[e] += 1
+    per = len(slots) // ep
+    return [sum(counts[e] / copies[e] for e in slots[r * per:(r + 1) * per])
+            for r in range(ep)]
+
+
+def default_slots(num_experts: int, ep: int) -> list[int]:
+    """TensorRT-LLM's placement without a balancer: contiguous expert ranges per rank."""
+    return list(range(num_experts))
+
+
+def _check(counts: list[float], ep: int, num_slots: int) -> None:
+    e = len(counts)
+    if ep < 1 or e % ep:
+        raise ConfigError(f"{e} experts cannot be split over moe_ep={ep} ranks",
+                          "moe_ep must divide the number of experts")
+    if num_slots < e or num_slots % ep:
+        raise ConfigError(f"num_slots={num_slots} must be at least the {e} experts and a "
+                          f"multiple of moe_ep={ep}",
+                          f"for example {e} (no redundant experts) or {e + ep}")
+    if num_slots - e > e * (ep - 1):
+        raise ConfigError(f"num_slots={num_slots}: more redundant copies than ranks to put "
+                          "them on", f"use at most {e * ep} slots")
+    if any(c < 0 for c in counts):
+        raise ConfigError("expert token counts must not be negative")
+
+
+def place(counts: list[float], ep: int, num_slots: int) -> LayerPlacement:
+    """Placement of one layer's experts with token ``counts`` on ``ep`` ranks."""
+    _check(counts, ep, num_slots)
+    e = len(counts)
+    copies = [1] * e
+    heap = [(-c, i) for i, c in enumerate(counts)]
+    heapq.heapify(heap)
+    for _ in range(num_slots - e):  # a copy more for the expert with most load per copy
+        while True:
+            _, i = heapq.heappop(heap)
+            if copies[i] < ep:
+                break
+        copies[i] += 1
+        heapq.heappush(heap, (-counts[i] / copies[i], i))
+    items = sorted(((counts[i] / copies[i], i) for i in range(e) for _ in range(copies[i])),
+                   key=lambda x: (-x[0], x[1]))
+    per = num_slots // ep
+    load = [0.0] * ep
+    held: list[list[int]] = [[] for _ in range(ep)]
+    for share, i in items:
+        free = [r for r in range(ep) if len(held[r]) < per and i not in held[r]]
+        if not free:  # only copies of this expert have room left: allow a second copy
+            free = [r for r in range(ep) if len(held[r]) < per]
+        r = min(free, key=lambda r: (load[r], r))
+        held[r].append(i)
+        load[r] += share
+    _improve(held, load, [counts[i] / copies[i] for i in range(e)])
+    slots = [i for r in range(ep) for i in sorted(held[r])]
+    return LayerPlacement(slots, rank_loads(slots, counts, ep))
+
+
+def _improve(held: list[list[int]], load: list[float], share: list[float]) -> None:
+    """Swap a copy on the hottest rank with a lighter copy elsewhere while that lowers the
+    hotter of the two ranks (greedy packing leaves a few percent on small layers)."""
+    for _ in range(sum(map(len, held)) ** 2):
+        hot = max(range(len(load)), key=lambda r: load[r])
+        best = None
+        for r in range(len(held)):
+            if r == hot:
+                continue
+            for a in held[hot]:
+                for b in held[r]:
+                    d = share[a] - share[b]
+                    if d <= 0 or (a != b and (a in held[r] or b in held[hot])):
+                        continue
+                    new = max(load[hot] - d, load[r] + d)
+                    if new < load[hot] - 1e-12 and (best is None or new < best[0]):
+                        best = (new, r, a, b, d)
+        if best is None:
+            return
+        _, r, a, b, d = best
+        held[hot].remove(a)
+        held[r].remove(b)
+        held[hot].append(b)
+        held[r].append(a)
+        load[hot] -= d
+        load[r] += d
+
+
+# -- counts in, placement out ---------------------------------------------------------------
+
+_METRIC = re.compile(r'^moepipe_expert_tokens_total\{([^}]*)\}\s+([0-9.eE+-]+)\s*$')
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def counts_from_metrics(text: str, where: str) -> dict[int, list[float]]:
+    """Per-layer expert token counts from Prometheus text (a Triton ``/metrics`` page of the
+    cpu target: ``moepipe_expert_tokens_total{model,layer,expert}``)."""
+    cells: dict[int, dict[int, float]] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line.strip())
+        if not m:
+            continue
+        labels = dict(_LABEL.findall(m.group(1)))
+        try:
+            layer, expert = int(labels["layer"]), int(labels["expert"])
+        except (KeyError, ValueError):
+            continue
+        cells.setdefault(layer, {})[expert] = cells.get(layer, {}).get(expert, 0.0) + float(
+            m.group(2))
+    if not cells:
+        raise ConfigError(f"{where}: no moepipe_expert_tokens_total samples",
+                          "point --metrics at a running cpu deployment's metrics port "
+                          "(http://127.0.0.1:8002/metrics) after it served some requests")
+    return {layer: _dense(row, f"{where} layer {layer}") for layer, row in cells.items()}
+
+
+def _dense(row: dict[int, float], where: str) -> list[float]:
+    n = max(row) + 1
+    missing = [e for e in range(n) if e not in row]
+    if missing:
+        raise ConfigError(f"{where}: no count for expert(s) {missing[:5]}")
+    return [row[e] for e in range(n)]
+
+
+def counts_from_file(path: Path) -> dict[int, list[float]]:
+    """Counts from a JSON file ``{"layers": {"<layer>": [tokens per expert, ...]}}`` (what
+    ``moepipe balance --save-counts`` writes) or from saved Prometheus text."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    if not text.lstrip().startswith("{"):
+        return counts_from_metrics(text, str(path))
+    try:
+        data = json.loads(text)
+        layers = {int(k): [float(c) for c in v] for k, v in data["layers"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(f"{path}: not an expert-count file",
+                          'expected {"layers": {"0": [tokens per expert, ...], ...}}') from None
+    if not layers:
+        raise ConfigError(f"{path}: no layers")
+    return layers
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A static placement for every MoE layer and what it predicts."""
+
+    moe_ep: int
+    num_slots: int
+    layers: dict[int, LayerPlacement]
+    before: dict[int, list[float]]  # rank loads with TensorRT-LLM's default placement
+
+    def load_balancer(self) -> dict:
+        """``moe_config.load_balancer`` of TensorRT-LLM's LLM API (MoeLoadBalancerConfig)."""
+        return {"num_slots": self.num_slots, "layer_updates_per_iter": 0,
+                "initial_global_assignments": {layer: p.slots
+                                               for layer, p in sorted(self.layers.items())}}
+
+    def summary(self) -> dict:
+        def ratio(loads: list[float]) -> float:
+            mean = sum(loads) / len(loads)
+            return max(loads) / mean if mean else 1.0
+
+        before = {k: ratio(v) for k, v in self.before.items()}
+        after = {k: p.max_over_mean for k, p in self.layers.items()}
+        return {"moe_ep": self.moe_ep, "num_slots": self.num_slots,
+                "max_over_mean_before": max(before.values()),
+                "max_over_mean_after": max(after.values()),
+                "mean_max_over_mean_before": sum(before.values()) / len(before),
+                "mean_max_over_mean_after": sum(after.values()) / len(after),
+                "layers": {k: {"before": round(before[k], 4), "after": round(after[k], 4)}
+                           for k in sorted(after)}}
+
+
+def balance(counts: dict[int, list[float]], moe_ep: int, num_slots: int | None = None
+            ) -> Placement:
+    """Placements for every layer of ``counts``; ``num_slots`` defaults to one redundant slot
+    per rank (``E + moe_ep``), the example of TensorRT-LLM's wide-EP guide."""
+    sizes = {len(v) for v in counts.values()}
+    if len(sizes) != 1:
+        raise ConfigError(f"layers have different expert counts: {sorted(sizes)}")
+    experts = sizes.pop()
+    if moe_ep < 2:
+        raise ConfigError("expert placement needs expert parallelism (moe_ep >= 2)",
+                          "TensorRT-LLM's load balancer runs with attention DP and EP > 1")
+    slots = experts + moe_ep if num_slots is None else num_slots
+    layers = {layer: place(row, moe_ep, slots) for layer, row in counts.items()}
+    before = {layer: rank_loads(default_slots(experts, moe_ep), row, moe_ep)
+              for layer, row in counts.items()}
+    return Placement(moe_ep, slots, layers, before)
+
+
+def write_placement(placement: Placement, path: Path) -> None:
+    """YAML: ``moe_ep``, ``load_balancer`` (rendered into model.yaml by deploy) and the
+    prediction."""
+    text = ("# Expert placement written by `moepipe balance`; `deploy.trtllm.expert_placement`"
+            " puts load_balancer into model.yaml's moe_config.\n"
+            + yaml.safe_dump({"moe_ep": placement.moe_ep,
+                              "load_balancer": placement.load_balancer(),
+                              "predicted": placement.summary()},
+                             sort_keys=False, default_flow_style=None))
+    check_load_balancer(placement.load_balancer(), placement.moe_ep, str(path))
+    write_text_atomic(path, text)
+
