@@ -1,11 +1,16 @@
 """Shared fixtures. Tiny models are generated from code with fixed seeds; nothing is downloaded."""
 
 import os
+import shutil
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # tiny models: thread pools only add overhead
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Without a GPU, OpenAI Triton kernels run in its interpreter (read when triton is imported;
+# the routing-kernel tests need it, the AOT compile tests run in a subprocess without it).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 

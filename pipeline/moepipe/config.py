@@ -120,6 +120,15 @@ class QuantizeSection(Section):
                                     description="Quality gates of the quality stage.")
 
 
+class PluginsSection(Section):
+    """moepipe's custom plugins in the TensorRT-LLM engine (plugins/)."""
+
+    router: Literal["trtllm", "moepipe"] = Field(
+        "trtllm", description="Expert routing in the engine: 'trtllm' (TensorRT-LLM 1.2's own "
+                              "routing ops) or 'moepipe' (the fused routing plugin, built "
+                              "with moepipe-trtllm-build).")
+
+
 class BuildSection(Section):
     """Serving limits: the engine is built for them (trtllm-engine) and the CPU runtime
     allocates its KV cache from them."""
@@ -152,6 +161,8 @@ class BuildSection(Section):
                                                         "the engine's logits.")
     workers: int = Field(1, ge=1, description="Ranks trtllm-build builds in parallel (at most "
                                               "one per GPU).")
+    plugins: PluginsSection = Field(default_factory=PluginsSection,
+                                    description="moepipe's plugins in the engine.")
     gpu_memory_gb: float = Field(80, gt=0, description="Memory of one GPU in GiB (80 for an "
                                                        "80 GB H100), for the pre-flight check "
                                                        "of these limits.")

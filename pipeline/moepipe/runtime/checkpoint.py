@@ -73,4 +73,4 @@ def load_checkpoint(path: str | Path) -> TrtllmCheckpoint:
         ranks.append(load_file(file))
     return TrtllmCheckpoint(path=path, config=cfg, family=family,
                             facts=family.runtime_facts(cfg), mapping=mapping,
-                            routing=RoutingSpec.from_trtllm(cfg["moe"]), ranks=ranks)
+                            routing=RoutingSpec.from_checkpoint_config(cfg), ranks=ranks)

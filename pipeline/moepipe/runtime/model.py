@@ -22,7 +22,7 @@ from moepipe.errors import CheckpointError
 from moepipe.quant import dequant
 from moepipe.quant.dequant import ActQuant
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
-from moepipe.runtime.routing import RouteFn, route
+from moepipe.runtime.routing import RouteFn, route_op
 from moepipe.trtllm.mapping import stage_layers
 
 # MoE strategy by work size (multiply-adds of a layer's experts on this batch): all experts
@@ -66,6 +66,8 @@ class Layer:
     router: torch.Tensor  # [E, H] float32
     shared_gate: torch.Tensor | None
     ranks: list[RankLayer]
+    router_bias: torch.Tensor | None = None  # [E] (GPT-OSS style routers)
+    correction_bias: torch.Tensor | None = None  # [E] selection-only bias (DeepSeek-V3)
 
 
 @dataclass
@@ -138,7 +140,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class ReferenceModel:
     """Forward passes over a loaded :class:`TrtllmCheckpoint`."""
 
-    def __init__(self, ckpt: TrtllmCheckpoint, router: RouteFn = route):
+    def __init__(self, ckpt: TrtllmCheckpoint, router: RouteFn = route_op):
         self.ckpt = ckpt
         self.route = router
         cfg = ckpt.config
@@ -226,7 +228,11 @@ class ReferenceModel:
                      router=self._get(r0, p + "mlp.router.weight"),
                      shared_gate=self._get(r0, p + "mlp.shared_expert_gate.weight")
                      if shared else None,
-                     ranks=per_rank)
+                     ranks=per_rank,
+                     router_bias=self._get(r0, p + "mlp.router.bias")
+                     if self.ckpt.routing.router_bias else None,
+                     correction_bias=self._get(r0, p + "mlp.e_score_correction_bias")
+                     if self.ckpt.routing.correction_bias else None)
 
     # -- forward -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -309,9 +315,13 @@ class ReferenceModel:
 
     def _moe(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
         logits = x.float() @ layer.router.T
-        ids, weights = self.route(logits, self.ckpt.routing)
+        # torch.ops.moepipe.route: ids, weights and the per-expert counts behind the
+        # moepipe_expert_tokens_total metrics
+        ids, weights, counts = self.route(logits, self.ckpt.routing,
+                                          router_bias=layer.router_bias,
+                                          correction_bias=layer.correction_bias)
+        ids = ids.long()
         flat = ids.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts)
         self.expert_tokens[layer.index] += counts
         w0 = layer.ranks[0]
         if x.shape[0] * self.num_experts * (w0.fc[0].numel() + w0.proj[0].numel()) \

@@ -193,8 +193,26 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
             "command": _command(ctx)}
 
 
+def _routing_plan(ctx: BuildContext) -> str | None:
+    """The routing plugin's edit of the engine (build.plugins.router: moepipe), for the plan."""
+    spec = source_spec(ctx)
+    if ctx.cfg.build.plugins.router != "moepipe" or spec is None:
+        return None
+    from moepipe.arch import get_family
+    from moepipe.arch.routing import RoutingSpec
+    from moepipe.plugins.trtllm_plan import describe, routing_plan
+
+    routing = RoutingSpec.from_trtllm({
+        "num_experts": spec.num_experts, "top_k": spec.top_k,
+        "normalization_mode": get_family(spec.architecture).normalization_mode(spec)})
+    return describe(routing_plan(routing, spec.num_layers))
+
+
 def _estimate(ctx: BuildContext) -> dict[str, Any]:
     info: dict[str, Any] = {"command": _command(ctx)}
+    plan = _routing_plan(ctx)
+    if plan is not None:
+        info["routing plugin"] = plan
     inputs = _inputs(ctx)
     if inputs is not None:
         usage = engine_memory(ctx.cfg, *inputs)

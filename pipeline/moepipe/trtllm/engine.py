@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from moepipe.config import BuildSection, MoepipeConfig
 
 TRTLLM_BUILD = "trtllm-build"
+# trtllm-build with moepipe's routing plugin in every MoE layer (build.plugins.router: moepipe;
+# moepipe.plugins.trtllm_build, a console script of the moepipe package)
+MOEPIPE_TRTLLM_BUILD = "moepipe-trtllm-build"
 GIB = 1 << 30
 MIB = 1 << 20
 # Activation bytes per element: the dtype the engine computes in.
@@ -59,7 +62,7 @@ def trtllm_build_command(cfg: MoepipeConfig, checkpoint_dir: Path, output_dir: P
     """
     b = cfg.build
     _check_flags(b)
-    argv = [TRTLLM_BUILD,
+    argv = [MOEPIPE_TRTLLM_BUILD if b.plugins.router == "moepipe" else TRTLLM_BUILD,
             "--checkpoint_dir", str(Path(checkpoint_dir).resolve()),
             "--output_dir", str(Path(output_dir).resolve()),
             "--max_batch_size", str(b.max_batch_size),
