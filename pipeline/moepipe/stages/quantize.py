@@ -12,12 +12,13 @@ TensorRT-LLM quantized checkpoint for the other targets).
 * Routers and shared-expert gates are never quantized (checked after calibration).
 * ``int8_sq`` leaves the routed experts in the model dtype: TensorRT-LLM has no SmoothQuant MoE
   kernels, and what is measured must be what is deployed.
+* The export (:func:`moepipe.quant.recipe.export_unified`) holds exactly what modelopt's own
+  TensorRT-LLM exporter writes from the same calibration (checked by ``tests/oracle``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -25,19 +26,10 @@ from typing import Any
 
 from moepipe.config import GPU_ONLY_FORMATS, MoepipeConfig
 from moepipe.errors import ConfigError, EnvironmentMissing, MoepipeError, UnsupportedError
+from moepipe.quant.recipe import FORMATS, export_unified, quant_config
 from moepipe.stages.base import BuildContext, Stage, gib
 from moepipe.stages.source import source_spec
 
-# moepipe format -> (modelopt config, TensorRT-LLM quant_algo)
-FORMATS = {
-    "fp8": ("FP8_DEFAULT_CFG", "FP8"),
-    "int8_sq": ("INT8_SMOOTHQUANT_CFG", "W8A8_SQ_PER_CHANNEL"),
-    "int4_awq": ("INT4_AWQ_CFG", "W4A16_AWQ"),
-    "w4a8_awq": ("W4A8_AWQ_BETA_CFG", "W4A8_AWQ"),
-    "nvfp4": ("NVFP4_DEFAULT_CFG", "NVFP4"),
-}
-KV_QUANTIZER = "*[kv]_bmm_quantizer"
-KV_FORMATS = {"fp8": {"num_bits": (4, 3), "axis": None}, "int8": {"num_bits": 8, "axis": None}}
 AWQ_BLOCK = 128
 HELDOUT = "heldout.json"
 # Modules that must stay unquantized (routers, shared-expert gate), by name fragment.
@@ -110,22 +102,6 @@ def calibration_tokens(cfg: MoepipeConfig, tokenizer) -> tuple[list[list[int]], 
     return seqs[:cal.samples], seqs[cal.samples:]
 
 
-def quant_config(fmt: str, kv_cache: str) -> dict[str, Any]:
-    import modelopt.torch.quantization as mtq
-
-    cfg = copy.deepcopy(getattr(mtq, FORMATS[fmt][0]))
-    algorithm = cfg.get("algorithm") or "max"
-    if isinstance(algorithm, str):
-        algorithm = {"method": algorithm}
-    algorithm["moe_calib_experts_ratio"] = 1.0  # every expert sees calibration tokens
-    cfg["algorithm"] = algorithm
-    if fmt == "int8_sq":  # TensorRT-LLM has no SmoothQuant MoE: experts stay unquantized
-        cfg["quant_cfg"].append({"quantizer_name": "*experts.*", "enable": False})
-    if kv_cache != "none":
-        cfg["quant_cfg"].append({"quantizer_name": KV_QUANTIZER, "cfg": KV_FORMATS[kv_cache]})
-    return cfg
-
-
 def run_quantize(cfg: MoepipeConfig, source: Path, out: Path, echo=print,
                  step=lambda text: None, log_path: Path | None = None) -> dict[str, Any]:
     """Quantize the checkpoint at ``source`` into ``out`` (a unified HF checkpoint).
@@ -171,7 +147,6 @@ def _run_quantize(cfg: MoepipeConfig, source: Path, out: Path, echo, step) -> di
     check_dimensions(q.format, ckpt.spec)
 
     import torch
-    from modelopt.torch.export import export_hf_checkpoint
     from modelopt.torch.quantization import quantize as mtq_quantize
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -204,7 +179,9 @@ def _run_quantize(cfg: MoepipeConfig, source: Path, out: Path, echo, step) -> di
     extra = _int8_kv_scales(model) if q.kv_cache == "int8" else {}
     if ckpt.spec.torch_dtype in ("float16", "bfloat16"):  # calibrated in float32, kept 16-bit
         model = model.to(getattr(torch, ckpt.spec.torch_dtype))
-    export_hf_checkpoint(model.cpu(), export_dir=out, extra_state_dict=extra or None)
+    # q/k/v and gate/up share their scales before the export (as modelopt's TensorRT-LLM
+    # exporter does), so the converter never requantizes (moepipe.quant.recipe)
+    export_unified(model.cpu(), out, ckpt.family.expert_names, extra_state_dict=extra or None)
     _fix_quant_config(out, q.kv_cache)
     for path in source.iterdir():  # the tokenizer travels with the checkpoint
         if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges",
