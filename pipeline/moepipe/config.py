@@ -414,11 +414,6 @@ class MoepipeConfig(Section):
             raise ValueError("quantize.kv_cache needs a weight format too (quantize.format: "
                              "fp8, int8_sq or int4_awq); KV-cache-only quantization is not "
                              "supported yet")
-        if q.format == "int8_sq" and self.target == "trtllm-engine":
-            raise ValueError("quantize.format int8_sq: TensorRT-LLM's engine path has no "
-                             "SmoothQuant MoE kernels (its SmoothQuant norms would feed int8 "
-                             "into the experts); use fp8 or int4_awq on GPUs (int8_sq is "
-                             "served by the cpu target)")
         if q.kv_cache == "int8" and self.target == "trtllm-pytorch":
             raise ValueError("quantize.kv_cache int8 is not served by TensorRT-LLM's PyTorch "
                              "backend; use fp8 (or target trtllm-engine)")

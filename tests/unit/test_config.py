@@ -37,8 +37,6 @@ def test_configs_folder_is_not_empty():
      "quantize.format: 'int3' is not valid; choose 'none', 'fp8', 'int8_sq', 'int4_awq'"),
     ("model: {example: tiny-mixtral}\nquantize: {kv_cache: fp8}\n",
      "quantize.kv_cache needs a weight format too"),
-    ("model: {example: tiny-mixtral}\ntarget: trtllm-engine\nquantize: {format: int8_sq}\n",
-     "no SmoothQuant MoE kernels"),
     ("model: {example: tiny-mixtral}\ntarget: trtllm-pytorch\n"
      "quantize: {format: fp8, kv_cache: int8}\n", "kv_cache int8 is not served"),
     ("model: {example: tiny-mixtral}\nquantize: {quality: {min_logit_cosine: 2}}\n",

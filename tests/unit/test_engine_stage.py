@@ -20,7 +20,13 @@ from moepipe.arch import get_family
 from moepipe.config import parse_config
 from moepipe.deploy.repository import render_deployment
 from moepipe.deploy.targets import Artifacts
-from moepipe.errors import CheckpointError, ConfigError, EnvironmentMissing, MoepipeError
+from moepipe.errors import (
+    CheckpointError,
+    ConfigError,
+    EnvironmentMissing,
+    MoepipeError,
+    UnsupportedError,
+)
 from moepipe.stages.convert import convert
 from moepipe.stages.engine import build_engine_into
 from moepipe.trtllm.engine import (
@@ -247,6 +253,20 @@ def test_prompt_limit_must_leave_room_to_generate(mixtral):
     with pytest.raises(ConfigError, match=r"max_input_len \(2048\) must be smaller than "
                                           r"max_seq_len \(2048\)"):
         config({"max_input_len": 2048})  # the one place this rule lives: the config model
+
+
+def test_int8_sq_on_the_engine_path_needs_a_moe_without_shared_expert():
+    """TensorRT-LLM 1.2 serves W8A8_SQ_PER_CHANNEL through its non-plugin path and re-creates
+    the excluded MoE block unquantized (quantization/quantize.py): fine for Mixtral-style
+    experts, not for Qwen2-MoE's shared expert."""
+    from moepipe.examples import example_spec
+
+    mixtral = config(quantize={"format": "int8_sq"})
+    check_engine_limits(mixtral, example_spec("tiny-mixtral"), Mapping.create(tp=2), 10**6, 2)
+    qwen2 = config(quantize={"format": "int8_sq"}, model={"example": "tiny-qwen2-moe"})
+    with pytest.raises(UnsupportedError, match="drops this model's shared expert"):
+        check_engine_limits(qwen2, example_spec("tiny-qwen2-moe"), Mapping.create(tp=2),
+                            10**6, 2)
 
 
 # --- building ---------------------------------------------------------------------------------

@@ -18,15 +18,15 @@ from moepipe.quant.trtllm import AWQ, FP8, FP8_MAX, GROUP, SQ
 @dataclass(frozen=True)
 class ActQuant:
     """Static per-tensor activation quantization: fp8 (e4m3) or int8, after an optional
-    SmoothQuant smoother (x / smoother)."""
+    SmoothQuant pre-quant scale (x * prescale, as TensorRT-LLM's Int8SmoothQuantLinear)."""
 
     kind: str  # "fp8" | "int8"
     scale: float
-    smoother: torch.Tensor | None = None
+    prescale: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.smoother is not None:
-            x = x / self.smoother
+        if self.prescale is not None:
+            x = x * self.prescale
         if self.kind == "fp8":
             q = (x / self.scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
             return q.to(x.dtype) * self.scale
@@ -61,12 +61,11 @@ def linear(tensors: dict[str, torch.Tensor], prefix: str, algo: str | None
         pqs = tensors[f"{prefix}.prequant_scaling_factor"].float()
         # (x * pqs) @ W.T == x @ (W * pqs).T
         return weight * pqs.unsqueeze(-2), None
-    if algo == SQ and f"{prefix}.per_channel_scale" in tensors:
-        weight = w.float() * tensors[f"{prefix}.per_channel_scale"].float().reshape(-1, 1)
-        smoother = tensors.get(f"{prefix}.smoother")
-        act = float(tensors[f"{prefix}.act_scale"].reshape(-1)[0])
-        return weight, ActQuant("int8", act,
-                                smoother.float().reshape(-1) if smoother is not None else None)
+    if algo == SQ and f"{prefix}.weights_scaling_factor" in tensors:
+        weight = w.float() * tensors[f"{prefix}.weights_scaling_factor"].float().reshape(-1, 1)
+        act = float(tensors[f"{prefix}.activation_scaling_factor"].reshape(-1)[0])
+        prescale = tensors[f"{prefix}.prequant_scaling_factor"].float().reshape(-1)
+        return weight, ActQuant("int8", act, prescale)
     return w.float(), None
 
 

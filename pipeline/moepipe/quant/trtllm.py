@@ -8,24 +8,27 @@ sharded like the unquantized weights, with its own names (``tensorrt_llm/quantiz
 ======================  ==================================================================
 FP8                     ``weight`` fp8; ``weights_scaling_factor`` [1] (experts [E_local, 1]);
                         ``activation_scaling_factor`` [1]. Parts fused into one tensor (q/k/v,
-                        up/gate) share one weight scale: the max, the others requantized to it.
+                        up/gate) share one weight scale: the max, the others requantized to it
+                        (moepipe's own export shares it before quantizing: nothing to redo).
                         The experts' activation scale is the max over all experts.
 W4A16_AWQ               ``weight`` int8 [out/2, in] (two int4 rows per byte, low nibble = even
                         row); ``weights_scaling_factor`` [out, in/128] (f32, TensorRT-LLM
                         transposes it at load); ``prequant_scaling_factor`` [in] (experts
                         [E_local, in]) in the model dtype; ones where modelopt folded it into
                         the norm (q/k/v).
-W8A8_SQ_PER_CHANNEL     ``weight`` int8 [out, in]; ``per_channel_scale`` [1, out];
-                        ``act_scale`` [1, 1]; row-parallel layers ``smoother`` [1, in]
-                        (= 1 / pre_quant_scale). q/k/v's smoothing is folded into
-                        ``input_layernorm`` (plus its ``scale_to_int``). Routed experts stay in
-                        the model dtype: TensorRT-LLM has no SmoothQuant MoE.
+W8A8_SQ_PER_CHANNEL     TensorRT-LLM 1.2's non-plugin path (``Int8SmoothQuantLinear`` /
+                        ``Int8SmoothQuantRowLinear``): ``weight`` int8 [out, in];
+                        ``weights_scaling_factor`` [out]; ``activation_scaling_factor`` [1];
+                        ``prequant_scaling_factor`` [in] in the model dtype (the input is
+                        multiplied by it); norms unchanged. The MoE block is excluded: there is
+                        no SmoothQuant MoE, routed experts stay in the model dtype (quantized
+                        ones are refused).
 KV cache (FP8 / INT8)   ``attention.kv_cache_scaling_factor`` [1] = max(k_scale, v_scale)
                         (FP8 clamped to >= 1, as modelopt's TensorRT-LLM export does).
 ======================  ==================================================================
 
 Sharding is the unquantized one (:mod:`moepipe.arch.rules`): column-parallel scales follow their
-rows, row-parallel AWQ scales and smoothers follow the input slice, per-tensor scales are
+rows, row-parallel AWQ scales and pre-quant scales follow the input slice, per-tensor scales are
 replicated. Every value is computed from the whole source tensors, so any mapping holds exactly
 the same quantized values as tp=1.
 """
@@ -41,14 +44,13 @@ from moepipe.arch.rules import (
     ExpertsGatedPair,
     GatedPair,
     RankContext,
-    Replicated,
     Rule,
     Split,
     _chunk,
 )
 from moepipe.checkpoints.modelopt import AWQ, FP8, FP8_MAX, GROUP, SQ, QuantInfo
 from moepipe.checkpoints.st_io import DTYPES, F32, DType
-from moepipe.errors import MappingError
+from moepipe.errors import MappingError, UnsupportedError
 
 
 def _module(weight: str) -> str:
@@ -115,8 +117,7 @@ def is_expert(base: Rule) -> bool:
 @dataclass(frozen=True)
 class QTensor(Rule):
     """One TensorRT-LLM tensor of a quantized linear layer (``kind``: weight,
-    weights_scaling_factor, activation_scaling_factor, prequant_scaling_factor,
-    per_channel_scale, act_scale, smoother)."""
+    weights_scaling_factor, activation_scaling_factor, prequant_scaling_factor)."""
 
     base: Rule
     kind: str
@@ -153,17 +154,13 @@ class QTensor(Rule):
         if k == "weights_scaling_factor":
             if a == FP8:
                 return (experts, 1) if experts is not None else (1,)
+            if a == SQ:
+                return (out,)
             return (*lead, out, inp // GROUP)
         if k == "activation_scaling_factor":
             return (1,)
         if k == "prequant_scaling_factor":
             return (*lead, inp)
-        if k == "per_channel_scale":
-            return (1, out)
-        if k == "act_scale":
-            return (1, 1)
-        if k == "smoother":
-            return (1, inp)
         raise ValueError(k)
 
     def chunks(self, ctx, reader) -> Iterator:
@@ -181,22 +178,16 @@ class QTensor(Rule):
                 if a == FP8:
                     yield torch.tensor([_group_scale(g, reader) for g in groups],
                                        dtype=torch.float32).reshape(self.shape(ctx))
-                else:
+                else:  # AWQ blocks and SmoothQuant channels follow their rows
                     for group in groups:
                         for p in group:
                             yield reader.read(f"{p.module}.weight_scale", (p.rows,))
-            elif k in ("activation_scaling_factor", "act_scale"):
+            elif k == "activation_scaling_factor":
                 yield torch.tensor(_input_scale_max(self.base, ctx, reader)).reshape(
                     self.shape(ctx))
             elif k == "prequant_scaling_factor":
                 for group in groups:
                     yield _pqs(group[0].module, reader, ctx.spec.hidden_size)
-            elif k == "per_channel_scale":
-                for group in groups:
-                    for p in group:
-                        yield reader.read(f"{p.module}.weight_scale", (p.rows,))
-            elif k == "smoother":
-                yield 1.0 / _pqs(groups[0][0].module, reader, ctx.spec.hidden_size)
             else:
                 raise ValueError(k)
             return
@@ -208,21 +199,19 @@ class QTensor(Rule):
             if a == FP8:
                 yield torch.tensor([_scale(reader, f"{p.module}.weight_scale") for p in parts],
                                    dtype=torch.float32).reshape(self.shape(ctx))
+            elif a == SQ:  # per output channel; a row-parallel output is not split
+                yield reader.read(f"{parts[0].module}.weight_scale").reshape(-1)
             else:
                 blocks = slice(p0.cols.start // GROUP, p0.cols.stop // GROUP) \
                     if (p0 := parts[0]).cols is not None else None
                 for p in parts:
                     yield reader.read(f"{p.module}.weight_scale", (slice(None), blocks))
-        elif k in ("activation_scaling_factor", "act_scale"):
+        elif k == "activation_scaling_factor":
             yield torch.tensor(_input_scale_max(self.base, ctx, reader)).reshape(
                 self.shape(ctx))
         elif k == "prequant_scaling_factor":
             for p in parts:
                 yield _pqs(p.module, reader, None)[p.cols]
-        elif k == "per_channel_scale":
-            yield reader.read(f"{parts[0].module}.weight_scale").reshape(1, -1)
-        elif k == "smoother":
-            yield 1.0 / _pqs(parts[0].module, reader, None)[parts[0].cols]
         else:
             raise ValueError(k)
 
@@ -285,48 +274,6 @@ def _pqs(module: str, reader, size: int | None):
 
 
 @dataclass(frozen=True)
-class FoldedNorm(Rule):
-    """SmoothQuant: ``input_layernorm`` with q/k/v's smoothing scale folded in."""
-
-    norm: Replicated
-    qkv: QKV
-
-    def sources(self, ctx, reader):
-        return self.norm.sources(ctx, reader)
-
-    def source_shapes(self, ctx):
-        return self.norm.source_shapes(ctx)
-
-    def shape(self, ctx):
-        return self.norm.shape(ctx)
-
-    def chunks(self, ctx, reader):
-        norm = reader.read(ctx.name(self.norm.src)).float()
-        yield norm * _pqs(_module(ctx.name(self.qkv.q)), reader, ctx.spec.hidden_size)
-
-
-@dataclass(frozen=True)
-class ScaleToInt(Rule):
-    """SmoothQuant norm output quantization: 1 / act_scale of the linear it feeds."""
-
-    qkv: QKV
-
-    def sources(self, ctx, reader):
-        return []
-
-    def source_shapes(self, ctx):
-        return {}
-
-    def shape(self, ctx):
-        return (1,)
-
-    def chunks(self, ctx, reader):
-        import torch
-
-        yield torch.tensor([1.0 / _input_scale_max(self.qkv, ctx, reader)])
-
-
-@dataclass(frozen=True)
 class KvScale(Rule):
     qkv: QKV
     kv_algo: str
@@ -355,16 +302,14 @@ class KvScale(Rule):
 KINDS = {
     FP8: ("weight", "weights_scaling_factor", "activation_scaling_factor"),
     AWQ: ("weight", "weights_scaling_factor", "prequant_scaling_factor"),
-    SQ: ("weight", "per_channel_scale", "act_scale"),
+    SQ: ("weight", "weights_scaling_factor", "activation_scaling_factor",
+         "prequant_scaling_factor"),
 }
 
 
 def quantized_rules(suffix: str, rule: Rule, reader, ctx: RankContext, info: QuantInfo,
-                    dtype: DType, layer_rules: dict[str, Rule]) -> dict[str, Rule]:
+                    dtype: DType) -> dict[str, Rule]:
     """TensorRT-LLM tensors for one family rule of a quantized checkpoint (suffix -> rule)."""
-    if suffix == "input_layernorm.weight" and info.algo == SQ:
-        qkv = layer_rules["attention.qkv.weight"]
-        return {suffix: FoldedNorm(rule, qkv), "input_layernorm.scale_to_int": ScaleToInt(qkv)}
     if suffix == "attention.qkv.weight" and info.kv_algo is not None:
         extra = {"attention.kv_cache_scaling_factor": KvScale(rule, info.kv_algo)}
     else:
@@ -373,12 +318,15 @@ def quantized_rules(suffix: str, rule: Rule, reader, ctx: RankContext, info: Qua
         return {suffix: rule, **extra}
     if info.algo == AWQ:
         _check_awq_split(rule, ctx)
+    if info.algo == SQ and is_expert(rule):
+        raise UnsupportedError(
+            f"this int8_sq (SmoothQuant) checkpoint has quantized routed experts ({suffix}); "
+            "TensorRT-LLM 1.2 has no SmoothQuant MoE (it keeps the MoE block in the model "
+            "dtype)", "quantize with moepipe (its int8_sq leaves the routed experts "
+            "unquantized), or use fp8 / int4_awq")
     prefix = suffix.removesuffix(".weight")
-    kinds = KINDS[info.algo]
-    if info.algo == SQ and (is_row(rule) or isinstance(rule, GatedPair)):
-        kinds = (*kinds, "smoother")
-    return {f"{prefix}.{k}": QTensor(rule, k, info.algo, model_dtype=dtype) for k in kinds} \
-        | extra
+    return {f"{prefix}.{k}": QTensor(rule, k, info.algo, model_dtype=dtype)
+            for k in KINDS[info.algo]} | extra
 
 
 def _is_quantized(rule: Rule, ctx: RankContext, reader) -> bool:

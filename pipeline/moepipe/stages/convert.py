@@ -147,7 +147,7 @@ def plan_conversion(family: Family, spec: ModelSpec, mapping: Mapping, dtype: st
                 if not rule.enabled(spec):
                     continue
                 rules = {suffix: rule} if quant is None else quantized_rules(
-                    suffix, rule, reader, ctx, quant, out_dtype, family.layer_rules)
+                    suffix, rule, reader, ctx, quant, out_dtype)
                 for sfx, r in rules.items():
                     name = f"transformer.layers.{layer - layers.start}.{sfx}"
                     tensors.append(_plan_one(name, r, ctx, reader, sources, expected))

@@ -11,7 +11,7 @@ from typing import Any
 from moepipe import __version__
 from moepipe.arch.family import Family, Fixed
 from moepipe.arch.spec import ModelSpec
-from moepipe.checkpoints.modelopt import AWQ, QuantInfo
+from moepipe.checkpoints.modelopt import AWQ, SQ, QuantInfo
 from moepipe.trtllm.mapping import Mapping
 
 
@@ -39,6 +39,11 @@ def quantization_block(info: QuantInfo) -> dict[str, Any]:
                                               "*vocab_embedding"]}
     if info.algo == AWQ:
         kw.update(group_size=info.group_size, has_zero_point=False, pre_quant_scale=True)
+    if info.algo == SQ:
+        # No SmoothQuant MoE: the routed experts' block stays unquantized. TensorRT-LLM's
+        # quantize_layers() re-creates an excluded MixtureOfExperts with QuantMode(0)
+        # (tensorrt_llm/quantization/quantize.py); modelopt's exporter excludes `...mlp*`.
+        kw["exclude_modules"] += ["*.mlp", "*.mlp.fc", "*.mlp.proj"]
     return quant_block(info.algo, info.kv_algo, **kw)
 
 

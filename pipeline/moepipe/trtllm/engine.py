@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moepipe.errors import CheckpointError, ConfigError, EnvironmentMissing
+from moepipe.errors import CheckpointError, ConfigError, EnvironmentMissing, UnsupportedError
 from moepipe.trtllm.mapping import Mapping, check_mapping, stage_layers
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
 from moepipe.utils.fs import read_json
@@ -197,6 +197,21 @@ def engine_memory(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping, weight_
     return busiest
 
 
+def _check_format(cfg: MoepipeConfig, spec: ModelSpec) -> None:
+    """int8_sq (W8A8_SQ_PER_CHANNEL) takes TensorRT-LLM 1.2's non-plugin SmoothQuant path
+    (``smooth_quantize_ootb``: it is not in ``W8A8_SQ_PLUGIN_LIST``), which quantizes the linear
+    layers and leaves the norms alone; the MoE block is excluded, and ``quantize_layers``
+    re-creates an excluded MoE as a plain ``MixtureOfExperts`` with ``QuantMode(0)``
+    (``tensorrt_llm/quantization/quantize.py``, ``mode.py``). That keeps Mixtral-style routed
+    experts in the model dtype, but a shared expert (Qwen2-MoE's ``SharedMoE``) would be lost."""
+    if cfg.quantize.format == "int8_sq" and spec.shared_expert_intermediate_size:
+        raise UnsupportedError(
+            "quantize.format int8_sq on trtllm-engine: TensorRT-LLM 1.2 keeps a SmoothQuant "
+            "model's MoE block unquantized by re-creating it as a plain MixtureOfExperts, "
+            "which drops this model's shared expert",
+            "use fp8 or int4_awq for this model on GPUs (int8_sq is served by the cpu target)")
+
+
 def check_engine_limits(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping,
                         weight_bytes: int, kv_dtype_bytes: int) -> dict[str, int]:
     """Refuse engine limits that cannot work, with the numbers and what to change: limits that
@@ -204,6 +219,7 @@ def check_engine_limits(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping,
     memory (:func:`engine_memory`) exceeds ``build.gpu_memory_gb``. Returns the estimate."""
     b, t = cfg.build, cfg.deploy.trtllm
     _check_flags(b)
+    _check_format(cfg, spec)
     # max_input_len < max_seq_len is the config model's rule (config.BuildSection).
     if b.max_seq_len > spec.max_position_embeddings:
         raise ConfigError(f"build.max_seq_len ({b.max_seq_len}) exceeds the model's "
