@@ -153,7 +153,7 @@ def init(model: Path | None = typer.Option(None, "--model", help=field_help("mod
     path_text = None
     if model is not None:
         path_text = os.path.relpath(model.resolve(), config.resolve().parent)
-    build, note = None, None
+    build, note, attention_dp = None, None, False
     if use_plan:
         from moepipe.commands.plan import PlanRequest, init_values, run_plan
 
@@ -163,12 +163,14 @@ def init(model: Path | None = typer.Option(None, "--model", help=field_help("mod
             kv_cache=kv_cache, target=target)))
         par, build, note = chosen["parallel"], chosen["build"], chosen["note"]
         tp, pp, moe_tp, moe_ep = par["tp"], par["pp"], par["moe_tp"], par["moe_ep"]
+        attention_dp = par["attention_dp"]
     text = render_init(model_path=path_text, example=example_name, target=target, tp=tp,
                        pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, quantize=quantize,
-                       kv_cache=kv_cache, build=build, note=note)
+                       kv_cache=kv_cache, build=build, note=note, attention_dp=attention_dp)
     write_text_atomic(config, text)
     if note:
-        _echo(f"parallel: tp={tp} pp={pp} moe_tp={moe_tp} moe_ep={moe_ep} ({note})")
+        _echo(f"parallel: tp={tp} pp={pp} moe_tp={moe_tp} moe_ep={moe_ep} attention_dp="
+              f"{str(attention_dp).lower()} ({note})")
     _echo(f"wrote {config}; next: moepipe build")
 
 

@@ -602,6 +602,8 @@ parallel:
   pp: {pp}
   moe_tp: {moe_tp}
   moe_ep: {moe_ep}
+  # trtllm-pytorch: attention data parallelism (each tp rank serves its own requests).
+  attention_dp: {attention_dp}
 
 convert:
   # Ranks converted in parallel (each holds about one expert slice in memory).
@@ -661,7 +663,7 @@ INIT_BUILD = {"max_batch_size": 8, "max_input_len": 1024, "max_seq_len": 2048}
 def render_init(*, model_path: str | None, example: str | None, target: str, tp: int, pp: int,
                 moe_tp: int | None, moe_ep: int | None, quantize: str = "none",
                 kv_cache: str = "none", build: dict[str, Any] | None = None,
-                note: str | None = None) -> str:
+                note: str | None = None, attention_dp: bool = False) -> str:
     """A commented moepipe.yaml; validated before it is returned. ``build``: the build
     section's values (default :data:`INIT_BUILD`); ``note``: a comment above ``parallel``
     (where the values come from, e.g. `moepipe init --plan`)."""
@@ -680,7 +682,8 @@ def render_init(*, model_path: str | None, example: str | None, target: str, tp:
         build_block=build_block,
         quant_format=quantize, kv_cache=kv_cache,
         min_agreement="1.0" if quantize == "none" else "0.0",
-        moe_tp="" if moe_tp is None else moe_tp, moe_ep="" if moe_ep is None else moe_ep)
+        moe_tp="" if moe_tp is None else moe_tp, moe_ep="" if moe_ep is None else moe_ep,
+        attention_dp="true" if attention_dp else "false")
     if note:
         text = text.replace("\nparallel:\n", f"\n# {note}\nparallel:\n", 1)
     parse_config(yaml.safe_load(text), "moepipe.yaml", text)

@@ -198,3 +198,20 @@ def test_cli_balance_from_a_counts_file(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "before" in text and "after" in text
     assert read_placement(out, 4)["num_slots"] == 12
+
+
+def test_counts_from_validate_balance_job(tmp_path):
+    # validate.json as moepipe.validate.report writes it, balance job data as
+    # moepipe.validate.balance records it (per-layer shares and tokens)
+    report = {"passed": True, "jobs": [
+        {"job": "smoke", "passed": True, "cases": [], "data": {}},
+        {"job": "balance", "passed": True, "cases": [], "data": {
+            "moe_ep": 2, "layer_expert": [[0.5, 0.25, 0.25, 0.0], [0.25, 0.25, 0.25, 0.25]],
+            "layers": [{"tokens": 40.0}, {"tokens": 8.0}]}}]}
+    path = tmp_path / "validate.json"
+    path.write_text(json.dumps(report))
+    assert counts_from_file(path) == {0: [20.0, 10.0, 10.0, 0.0], 1: [2.0, 2.0, 2.0, 2.0]}
+    report["jobs"].pop()
+    path.write_text(json.dumps(report))
+    with pytest.raises(MoepipeError, match="no balance measurement"):
+        counts_from_file(path)

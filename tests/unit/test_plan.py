@@ -266,7 +266,8 @@ def test_init_plan_fills_parallel_and_build(tmp_path, monkeypatch, capsys):
     cfg = load_config(tmp_path / "moepipe.yaml")
     best = make_plan(load_model("tiny-qwen3-moe"), parse_cluster("4xL40S"),
                      Workload(512, 128, hf_layout=True), "trtllm-pytorch")
-    top = next(e for e in best.candidates if e.fits and not e.sharding.attention_dp)
-    assert (cfg.parallel.tp, cfg.parallel.pp) == (top.sharding.tp, top.sharding.pp)
+    top = best.best.sharding
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.attention_dp) == \
+        (top.tp, top.pp, top.attention_dp)
     assert cfg.build.max_input_len == 512 and cfg.build.max_seq_len == 640
     assert "# from `moepipe plan` on 4xL40S" in (tmp_path / "moepipe.yaml").read_text()

@@ -62,15 +62,15 @@ def model_id(source: str) -> str:
 
 
 def init_values(plan: Plan) -> dict[str, Any]:
-    """``parallel`` and ``build`` values of moepipe.yaml from the best plan that moepipe.yaml
-    can express (attention data parallelism has no key there yet)."""
-    best = next((e for e in plan.candidates if e.fits and not e.sharding.attention_dp), None)
+    """``parallel`` and ``build`` values of moepipe.yaml from the best plan."""
+    best = plan.best
     if best is None:
         raise ConfigError(f"no mapping of {plan.model.name} fits {plan.cluster.describe()}",
                           "`moepipe plan` shows why; use more or larger GPUs, or quantize")
     s, w = best.sharding, plan.workload
     return {
-        "parallel": {"tp": s.tp, "pp": s.pp, "moe_tp": s.moe_tp, "moe_ep": s.moe_ep},
+        "parallel": {"tp": s.tp, "pp": s.pp, "moe_tp": s.moe_tp, "moe_ep": s.moe_ep,
+                     "attention_dp": s.attention_dp},
         "build": {"max_batch_size": max(1, min(best.batch, 4096)),
                   "max_input_len": w.isl, "max_seq_len": w.seq_len,
                   "max_num_tokens": max(w.max_num_tokens, w.isl),

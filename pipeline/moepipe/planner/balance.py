@@ -162,8 +162,8 @@ def _dense(row: dict[int, float], where: str) -> list[float]:
 
 
 def counts_from_file(path: Path) -> dict[int, list[float]]:
-    """Counts from a JSON file ``{"layers": {"<layer>": [tokens per expert, ...]}}`` (what
-    ``moepipe balance --save-counts`` writes) or from saved Prometheus text."""
+    """Counts from a JSON file ``{"layers": {"<layer>": [tokens per expert, ...]}}``, from
+    ``validate.json`` (its balance job) or from saved Prometheus text."""
     try:
         text = path.read_text()
     except OSError as e:
@@ -172,13 +172,33 @@ def counts_from_file(path: Path) -> dict[int, list[float]]:
         return counts_from_metrics(text, str(path))
     try:
         data = json.loads(text)
+        if "jobs" in data:
+            return _counts_from_validate(data, path)
         layers = {int(k): [float(c) for c in v] for k, v in data["layers"].items()}
     except (ValueError, KeyError, TypeError, AttributeError):
         raise ConfigError(f"{path}: not an expert-count file",
-                          'expected {"layers": {"0": [tokens per expert, ...], ...}}') from None
+                          'expected {"layers": {"0": [tokens per expert, ...], ...}} or a '
+                          "validate.json with a balance job") from None
     if not layers:
         raise ConfigError(f"{path}: no layers")
     return layers
+
+
+def _counts_from_validate(data: dict, path: Path) -> dict[int, list[float]]:
+    """Counts from ``validate.json``: the balance job's per-layer shares (``layer_expert``)
+    times the tokens it routed in that layer (``layers[i].tokens``)."""
+    job = next((j for j in data["jobs"] if j.get("job") == "balance"), None)
+    if job is None or "layer_expert" not in job.get("data", {}):
+        raise ConfigError(f"{path}: this validate.json has no balance measurement",
+                          "run `moepipe validate --job balance` on the deployment first")
+    d = job["data"]
+    out = {i: [share * float(d["layers"][i].get("tokens", 0.0)) for share in row]
+           for i, row in enumerate(d["layer_expert"])}
+    out = {i: row for i, row in out.items() if sum(row) > 0}
+    if not out:
+        raise ConfigError(f"{path}: the balance job routed no tokens",
+                          "raise validate.balance.requests and validate again")
+    return out
 
 
 @dataclass(frozen=True)
