@@ -47,7 +47,7 @@ def routing_plan(spec: RoutingSpec, moe_layers: int) -> dict:
         "kernel": {"grid_x": config.num_programs, "block_x": config.num_warps * 32,
                    "block_t": config.block_t, "ptx": "compiled for the build GPU "
                    "(sm_80 / sm_90 / sm_100) by the plugin's aot_impl"},
-        "trtllm_native_mode": mode,
+        "trtllm_native_mode": None if mode is None else int(mode),
     }
 
 
@@ -55,7 +55,7 @@ def describe(plan: dict) -> str:
     """One line for ``moepipe build --dry-run``."""
     native = plan["trtllm_native_mode"]
     native = "none (only the plugin computes this routing)" if native is None else \
-        f"normalization_mode {native}"
+        f"normalization_mode {int(native)}"
     a = plan["attrs"]
     mode = (f"{a['score']}, top-{a['top_k']} of {a['num_experts']}"
             + (", top-k first" if a["topk_first"] else "")

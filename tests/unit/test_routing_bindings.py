@@ -139,3 +139,36 @@ def test_trtllm_build_wrapper_fails_with_one_line_without_tensorrt_llm(capsys):
     assert main(["--checkpoint_dir", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: TensorRT-LLM is not installed") and err.count("\n") == 1
+
+
+def test_engine_dry_run_shows_the_routing_plugin(tmp_path):
+    """build.plugins.router: moepipe builds with moepipe-trtllm-build and the dry run shows
+    the plugin's edit of the engine."""
+    import yaml
+
+    from moepipe.commands.build import run_build
+
+    path = tmp_path / "moepipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"example": "tiny-qwen3-moe"}, "target": "trtllm-engine",
+        "build": {"plugins": {"router": "moepipe"}}, "workdir": str(tmp_path / "work")}))
+    lines = []
+    plan = run_build(path, echo=lines.append, dry_run=True)
+    engine = plan["stages"][-1]
+    assert engine["stage"] == "engine" and engine["command"][0] == "moepipe-trtllm-build"
+    text = "\n".join(lines)
+    assert "routing plugin: moepipe::moe_route v1 replaces the routing of" in text
+    assert "-> forward_experts" in text and "AOT PTX" in text
+    assert not (tmp_path / "work").exists()
+
+
+def test_engine_plan_data():
+    from moepipe.plugins.trtllm_plan import describe, routing_plan
+
+    plan = routing_plan(V3, moe_layers=58)
+    assert plan["plugin"] == "moepipe::moe_route" and plan["layers"] == 58
+    assert plan["trtllm_native_mode"] is None  # sigmoid + correction bias: only the plugin
+    assert plan["attrs"]["has_correction_bias"] == 1 and plan["attrs"]["score"] == "sigmoid"
+    line = describe(plan)
+    assert "sigmoid, top-4 of 16, renormalised, 2/4 groups by top2_sum, correction bias, x2.5" \
+        in line and "TensorRT-LLM native: none" in line
