@@ -13,7 +13,8 @@ model both ways:
   ``quantize`` stage exports it - the input the comparison test converts with moepipe;
 * ``<case>/oracle-tp<N>.json``: what modelopt's TensorRT-LLM exporter writes at tp=N: its
   ``config.json`` and, per rank, every tensor's dtype, shape and sha256; float32 tensors (the
-  scales, the router) and small ones also their values (base64 of the raw little-endian bytes).
+  scales, the router) and small 16-bit ones (norms, pre-quant scales) also their values (base64
+  of the raw little-endian bytes).
 
 The whole output is a few hundred KB; ``tests/unit/test_quant_oracle.py`` compares against it
 without the side virtualenv. ``--full DIR`` also keeps the complete TensorRT-LLM checkpoints.
@@ -63,7 +64,7 @@ CASES = {
 }
 EXPERT_NAMES = ("w1", "w3", "w2")  # Mixtral: (gate, up, down)
 SEED, CALIB_SEQS, CALIB_LEN, BATCH = 1234, 16, 32, 4
-SMALL = 4096  # bytes: tensors up to this size are stored with their values
+SMALL = 1024  # bytes: 16-bit tensors up to this size (norms, pre-quant scales) keep their values
 UNIFIED_FILES = ("config.json", "hf_quant_config.json", "model.safetensors")
 
 
@@ -93,7 +94,8 @@ def tensor_record(t: torch.Tensor) -> dict:
     raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
     rec = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
            "sha256": hashlib.sha256(raw).hexdigest()}
-    if t.dtype == torch.float32 or len(raw) <= SMALL:
+    if t.dtype == torch.float32 or (t.dtype in (torch.bfloat16, torch.float16)
+                                    and len(raw) <= SMALL):
         rec["raw"] = base64.b64encode(raw).decode()
     return rec
 
