@@ -4,6 +4,13 @@ through the deployed ensemble (a real tritonserver, cpu target), against transfo
 
     python benchmarks/serve_bench.py [--example tiny-mixtral] [--requests 48] [--max-tokens 32]
 
+With ``--url HOST:PORT`` (HTTP; ``--grpc-url`` defaults to the next port) it measures an
+existing deployment of any target instead: streamed requests through HTTP ``generate_stream``
+and the gRPC stream API, reporting time to first token (TTFT), inter-token latency (ITL),
+tokens/s and each level's tokens/s relative to concurrency 1 of the same protocol.
+
+    python benchmarks/serve_bench.py --url 127.0.0.1:8000 [--requests 48] [--max-tokens 32]
+
 Both sides use the same number of torch threads (--threads, default 1). Target: at
 concurrency 16 the server reaches >= 1.0x the transformers tokens/s.
 """
@@ -70,6 +77,111 @@ def bench_server(grpc_url: str, prompts: list[str], max_tokens: int, concurrency
             "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99)}
 
 
+def _stream_http(url: str, prompt: str, max_tokens: int) -> list[float]:
+    """Arrival times (s after sending) of every SSE event of one /generate_stream request."""
+    import urllib.request
+
+    payload = {"text_input": prompt, "max_tokens": max_tokens, "stream": True,
+               "exclude_input_in_output": True}
+    req = urllib.request.Request(f"http://{url}/v2/models/ensemble/generate_stream",
+                                 data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start, times = time.perf_counter(), []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                if "error" in json.loads(line[5:]):
+                    raise RuntimeError(line[5:])
+                times.append(time.perf_counter() - start)
+    return times
+
+
+class _GrpcStreamer:
+    """One gRPC stream per user; ``run`` gives the arrival times of one streamed request."""
+
+    def __init__(self, url: str):
+        import queue
+
+        import tritonclient.grpc as grpcclient
+
+        self.g, self.q = grpcclient, queue.Queue()
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=lambda result, error: self.q.put(
+            (time.perf_counter(), result, error)))
+
+    def run(self, prompt: str, max_tokens: int) -> list[float]:
+        g = self.g
+        inputs = {"text_input": np.array([[prompt.encode()]], dtype=object),
+                  "max_tokens": np.array([[max_tokens]], np.int32),
+                  "stream": np.array([[True]]), "exclude_input_in_output": np.array([[True]])}
+        tensors = []
+        for name, value in inputs.items():
+            t = g.InferInput(name, list(value.shape),
+                             {"O": "BYTES", "i": "INT32", "b": "BOOL"}[value.dtype.kind])
+            t.set_data_from_numpy(value)
+            tensors.append(t)
+        start, times = time.perf_counter(), []
+        self.client.async_stream_infer("ensemble", tensors, enable_empty_final_response=True)
+        while True:
+            when, result, error = self.q.get(timeout=120)
+            if error is not None:
+                raise RuntimeError(str(error))
+            response = result.get_response()
+            if response.outputs:
+                times.append(when - start)
+            final = response.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                return times
+
+    def close(self):
+        self.client.stop_stream()
+        self.client.close()
+
+
+def bench_url(http_url: str, grpc_url: str, prompts: list[str], max_tokens: int,
+              concurrency: int, protocol: str) -> dict:
+    """Streamed requests against a running deployment: TTFT, inter-token latency, tokens/s."""
+    ttft, itl, latency, tokens = [], [], [], []
+    lock = threading.Lock()
+    todo = list(prompts)
+
+    def worker():
+        streamer = _GrpcStreamer(grpc_url) if protocol == "grpc" else None
+        try:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    prompt = todo.pop()
+                times = streamer.run(prompt, max_tokens) if streamer else \
+                    _stream_http(http_url, prompt, max_tokens)
+                with lock:
+                    ttft.append(times[0])
+                    itl.extend(b - a for a, b in zip(times, times[1:], strict=False))
+                    latency.append(times[-1])
+                    tokens.append(len(times))  # one streamed response per token
+        finally:
+            if streamer:
+                streamer.close()
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ms = 1000.0
+    return {"protocol": protocol, "concurrency": concurrency, "requests": len(latency),
+            "tokens_per_s": round(sum(tokens) / wall, 1),
+            "ttft_ms_p50": round(percentile(ttft, 50) * ms, 2),
+            "ttft_ms_p99": round(percentile(ttft, 99) * ms, 2),
+            "itl_ms_p50": round(percentile(itl, 50) * ms, 2),
+            "itl_ms_p99": round(percentile(itl, 99) * ms, 2),
+            "latency_ms_p50": round(percentile(latency, 50) * ms, 2)}
+
+
 def bench_transformers(model_dir: Path, prompts: list[str], max_tokens: int,
                        batch: int) -> dict:
     import torch
@@ -107,7 +219,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--url", help="HOST:PORT (HTTP) of a running deployment to measure")
+    ap.add_argument("--grpc-url", help="HOST:PORT (gRPC); default: --url's port + 1")
     args = ap.parse_args()
+    if args.url:
+        run_url(args)
+        return
 
     import torch
     import yaml
@@ -160,6 +277,32 @@ def main() -> None:
     last = rows[-1]
     print(f"target (server >= 1.0x transformers at concurrency {last['concurrency']}): "
           f"{'MET' if last['speedup'] >= 1.0 else 'NOT MET'} ({last['speedup']:.2f}x)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+def run_url(args) -> None:
+    """Measure an existing deployment (streaming, HTTP and gRPC) and print the table."""
+    host, port = args.url.rsplit(":", 1)
+    grpc_url = args.grpc_url or f"{host}:{int(port) + 1}"
+    prompts = prompts_from_corpus(args.requests)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    for protocol in ("http", "grpc"):
+        bench_url(args.url, grpc_url, prompts[:4], args.max_tokens, 2, protocol)  # warm-up
+        for c in levels:
+            rows.append(bench_url(args.url, grpc_url, prompts, args.max_tokens, c, protocol))
+    base = {r["protocol"]: r["tokens_per_s"] for r in rows if r["concurrency"] == levels[0]}
+    print(f"{args.url} (gRPC {grpc_url}): {args.requests} streamed requests x "
+          f"{args.max_tokens} tokens per level")
+    print(f"{'proto':>5} {'conc':>4} | {'tok/s':>7} {'vs c' + str(levels[0]):>6} | "
+          f"{'TTFT p50':>8} {'p99':>7} | {'ITL p50':>7} {'p99':>7} | {'latency p50':>11} ms")
+    for r in rows:
+        r["tokens_per_s_vs_first_level"] = round(r["tokens_per_s"] / base[r["protocol"]], 2)
+        print(f"{r['protocol']:>5} {r['concurrency']:>4} | {r['tokens_per_s']:7.1f} "
+              f"{r['tokens_per_s_vs_first_level']:6.2f} | {r['ttft_ms_p50']:8.2f} "
+              f"{r['ttft_ms_p99']:7.2f} | {r['itl_ms_p50']:7.2f} {r['itl_ms_p99']:7.2f} | "
+              f"{r['latency_ms_p50']:11.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

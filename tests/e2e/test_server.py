@@ -55,7 +55,8 @@ def _llm_inputs(ids, n=12, **extra):
 
 
 def _tokens(result):
-    return result.concat("output_ids").tolist()
+    """Every token of every response, in order."""
+    return [t for out in result.outputs for t in out["output_ids"].reshape(-1).tolist()]
 
 
 def test_http_generate_matches_transformers(deployment, reference):
@@ -151,6 +152,27 @@ def test_stop_words_and_exclude_input(deployment, reference):
                                                       "stop_words_list": stop},
                             ["output_ids", "sequence_length"])
     assert _tokens(res) == want[: want.index(want[2]) + 1]
+
+
+def test_logits_are_the_models(deployment, reference):
+    """return_context_logits / return_generation_logits give the model's real logits: those of
+    transformers at every prompt position and at each generation step."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, ep = deployment
+    ids, want, _ = reference[PROMPTS[0]]
+    res = client.grpc_infer(ep.grpc, "tensorrt_llm",
+                            _llm_inputs(ids, n=3, return_context_logits=True,
+                                        return_generation_logits=True),
+                            ["output_ids", "context_logits", "generation_logits"])
+    out = res.outputs[-1]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir(cfg), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + want[:2]])).logits[0].numpy()
+    assert out["context_logits"].dtype == np.float32  # build.logits_dtype
+    np.testing.assert_allclose(out["context_logits"][0], logits[: len(ids)], atol=1e-3)
+    np.testing.assert_allclose(out["generation_logits"][0, 0], logits[len(ids) - 1:],
+                               atol=1e-3)
 
 
 def _metrics(ep_metrics):

@@ -8,8 +8,10 @@ to use. Requests are parsed in ``execute`` and generated as coroutines on one as
 ``generate_async``: in decoupled mode a streaming request gets one response per new token, every
 request ends with a response flagged FINAL (also when it fails), and a cancelled request is
 aborted, and so is a running request when a ``stop`` request with its request id arrives
-(decoupled mode). One prompt per request (batch size 1); the tensors of features this target
-does not serve (logits, perf metrics, LoRA, p-tuning, guided decoding) are refused by name.
+(decoupled mode). A request of batch size B > 1 runs as B generations whose responses carry
+``batch_index``, the last one flagged FINAL (decoupled mode; TensorRT-LLM refuses B > 1
+otherwise). The tensors of features this target does not serve (logits, perf metrics, LoRA,
+p-tuning, guided decoding) are refused by name.
 Stop / bad words of one token go to TensorRT-LLM as token ids; longer ones as their
 decoded text, which TensorRT-LLM encodes again.
 """
@@ -44,20 +46,24 @@ def _given(request, name):
     return bool(value[0]) if value.dtype == np.bool_ else True
 
 
-def _opt(request, name, default=None, kind=float):
+def _opt(request, name, default=None, kind=float, row=0):
+    """Row ``row``'s value of a ``[B, 1]`` input (``default`` when absent)."""
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
         return default
     value = t.as_numpy().reshape(-1)
-    return kind(value[0]) if value.size else default
+    return kind(value[row if value.size > row else 0]) if value.size else default
 
 
-def _words(request, name):
-    """``[2, n]`` word list (ids row; cumulative end offsets row padded with -1) -> id lists."""
+def _words(request, name, row=0):
+    """``[B, 2, n]`` word list (ids row; cumulative end offsets row padded with -1) -> id
+    lists of row ``row``."""
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None or not t.as_numpy().size:
         return []
-    ids, offsets = t.as_numpy().reshape(2, -1).tolist()
+    arr = t.as_numpy()
+    arr = arr.reshape(-1, 2, arr.shape[-1])
+    ids, offsets = arr[row if arr.shape[0] > row else 0].tolist()
     words, start = [], 0
     for end in (o for o in offsets if o >= 0):
         words.append(ids[start:end])
@@ -115,7 +121,7 @@ class TritonPythonModel:
                     self._stop(request.request_id(), sender)
                     jobs.append((None, sender))
                     continue
-                job = self._parse(request)
+                rows = self._rows(request)
             except Exception as e:  # answered here: execute must not raise in decoupled mode
                 code = pb_utils.TritonError.INVALID_ARG if isinstance(e, ValueError) \
                     else pb_utils.TritonError.INTERNAL
@@ -123,8 +129,10 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
                 jobs.append((None, sender))
                 continue
-            jobs.append((asyncio.run_coroutine_threadsafe(self._serve(job, sender), self.loop),
-                         sender))
+            out = _Rows(sender, len(rows)) if len(rows) > 1 else sender
+            for job in rows:
+                jobs.append((asyncio.run_coroutine_threadsafe(self._serve(job, out), self.loop),
+                             sender))
         if self.decoupled:
             return None
         for future, _ in jobs:
@@ -141,46 +149,55 @@ class TritonPythonModel:
             self.loop.call_soon_threadsafe(result.abort)
         sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
 
-    def _parse(self, request):
+    def _rows(self, request):
+        """One job per row of the request (TensorRT-LLM: one executor request per row)."""
         ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if ids is None:
             raise RequestError("input_ids is required")
-        if ids.as_numpy().ndim == 2 and ids.as_numpy().shape[0] > 1:
-            raise RequestError("batch size > 1 is not supported by the trtllm-pytorch target yet: "
-                               "send one request per prompt")
+        ids = ids.as_numpy()
+        ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+        if ids.shape[0] > 1 and not self.decoupled:
+            raise RequestError("Batch size > 1 requires the tensorrt_llm backend to be using "
+                               "decoupled transaction policy")
         for name in UNSUPPORTED:
             if _given(request, name):
                 raise RequestError(f"{name} is not supported by the trtllm-pytorch target")
-        prompt = ids.as_numpy().reshape(-1).tolist()
-        prompt = prompt[:_opt(request, "input_lengths", len(prompt), int)]
-        max_tokens = _opt(request, "request_output_len", 0, int)
+        rows = [self._parse(request, ids[b].tolist(), b) for b in range(ids.shape[0])]
+        for job in rows:
+            job["batch_size"] = len(rows)
+        return rows
+
+    def _parse(self, request, prompt, row):
+        prompt = prompt[:_opt(request, "input_lengths", len(prompt), int, row)]
+        max_tokens = _opt(request, "request_output_len", 0, int, row)
         if not prompt or max_tokens < 1:
             raise RequestError("input_ids must not be empty and request_output_len must be > 0")
-        if _opt(request, "num_return_sequences", 1, int) != 1:
+        if _opt(request, "num_return_sequences", 1, int, row) != 1:
             raise RequestError("num_return_sequences > 1 is not supported by the trtllm-pytorch "
                                "target")
-        beam = _opt(request, "beam_width", 1, int)
-        streaming = bool(_opt(request, "streaming", False, bool))
+        beam = _opt(request, "beam_width", 1, int, row)
+        streaming = bool(_opt(request, "streaming", False, bool, row))
         if streaming and (not self.decoupled or beam > 1):
             raise RequestError("streaming needs decoupled mode (deploy.decoupled: true) and "
                                "beam_width 1")
-        stop, bad = _words(request, "stop_words_list"), _words(request, "bad_words_list")
+        stop, bad = _words(request, "stop_words_list", row), _words(request, "bad_words_list", row)
         bias = pb_utils.get_input_tensor_by_name(request, "embedding_bias")
-        bias = bias.as_numpy().reshape(-1) if bias is not None else np.zeros(0, np.float32)
-        want_log_probs = bool(_opt(request, "return_log_probs", False, bool))
+        bias = np.zeros(0, np.float32) if bias is None or not bias.as_numpy().size \
+            else bias.as_numpy().reshape(-1, bias.as_numpy().shape[-1])[row]
+        want_log_probs = bool(_opt(request, "return_log_probs", False, bool, row))
         sampling = self.SamplingParams(
             max_tokens=max_tokens,
-            end_id=_opt(request, "end_id", None, int),
-            pad_id=_opt(request, "pad_id", None, int),
-            temperature=_opt(request, "temperature"),
-            top_k=_opt(request, "runtime_top_k", None, int),
-            top_p=_opt(request, "runtime_top_p"),
-            seed=_opt(request, "seed", None, int),
-            min_tokens=_opt(request, "min_tokens", None, int),
-            repetition_penalty=_opt(request, "repetition_penalty"),
-            presence_penalty=_opt(request, "presence_penalty"),
-            frequency_penalty=_opt(request, "frequency_penalty"),
-            length_penalty=_opt(request, "len_penalty"),
+            end_id=_opt(request, "end_id", None, int, row),
+            pad_id=_opt(request, "pad_id", None, int, row),
+            temperature=_opt(request, "temperature", row=row),
+            top_k=_opt(request, "runtime_top_k", None, int, row),
+            top_p=_opt(request, "runtime_top_p", row=row),
+            seed=_opt(request, "seed", None, int, row),
+            min_tokens=_opt(request, "min_tokens", None, int, row),
+            repetition_penalty=_opt(request, "repetition_penalty", row=row),
+            presence_penalty=_opt(request, "presence_penalty", row=row),
+            frequency_penalty=_opt(request, "frequency_penalty", row=row),
+            length_penalty=_opt(request, "len_penalty", row=row),
             use_beam_search=beam > 1, n=beam,
             stop_token_ids=[w[0] for w in stop if len(w) == 1] or None,
             stop=[self._text(w) for w in stop if len(w) > 1] or None,
@@ -190,13 +207,13 @@ class TritonPythonModel:
             else None,
             logprobs=1 if want_log_probs else None,
             detokenize=False)
-        return {"id": request.request_id(), "prompt": prompt, "sampling": sampling,
+        return {"id": request.request_id(), "row": row, "prompt": prompt, "sampling": sampling,
                 "streaming": streaming,
                 "log_probs": want_log_probs,
                 "exclude": bool(_opt(request, "exclude_input_in_output", self.exclude_input,
-                                     bool)),
-                "num_input": bool(_opt(request, "return_num_input_tokens", False, bool)),
-                "num_output": bool(_opt(request, "return_num_output_tokens", False, bool))}
+                                     bool, row)),
+                "num_input": bool(_opt(request, "return_num_input_tokens", False, bool, row)),
+                "num_output": bool(_opt(request, "return_num_output_tokens", False, bool, row))}
 
     def _text(self, ids):
         return self.llm.tokenizer.decode(ids)
@@ -263,6 +280,8 @@ class TritonPythonModel:
             pb_utils.Tensor("output_ids", np.array(
                 [[t + [pad] * (width - len(t)) for t in tokens]], np.int32)),
             pb_utils.Tensor("sequence_length", np.array([[len(t) for t in tokens]], np.int32))]
+        if job["batch_size"] > 1:
+            tensors.append(pb_utils.Tensor("batch_index", np.array([[job["row"]]], np.int32)))
         if logprobs is not None:
             width = max(len(lp) for lp in logprobs)
             tensors += [
@@ -282,6 +301,28 @@ class TritonPythonModel:
         self.llm.shutdown()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+class _Rows:
+    """The sender of a batched request as each row's generation sees it: the FINAL flag goes
+    with the final response of the last row to finish (TensorRT-LLM's backend does the same)."""
+
+    def __init__(self, sender, rows):
+        self.sender, self.pending, self.lock = sender, rows, threading.Lock()
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()
+
+    def send(self, response=None, flags=0):
+        if flags & FINAL:
+            with self.lock:
+                self.pending -= 1
+                last = self.pending == 0
+            if not last:
+                flags = 0
+                if response is None:
+                    return
+        self.sender.send(response, flags=flags)
 
 
 class _Last:
