@@ -179,13 +179,21 @@ def _check_folded_qkv_smoothing(want: dict, got: dict) -> None:
         assert torch.allclose(ours, theirs, rtol=2 ** -8, atol=0), norm
 
 
-def test_stock_int8_sq_with_quantized_experts_is_refused(tmp_path):
+def test_stock_int8_sq_with_quantized_experts_is_refused(tmp_path, capsys):
     """modelopt's stock SmoothQuant quantizes the routed experts; TensorRT-LLM 1.2 has no
-    SmoothQuant MoE, so the conversion refuses in one line (it used to crash) and writes
-    nothing."""
-    with pytest.raises(UnsupportedError, match="quantized routed experts") as err:
-        convert(GOLDEN / "int8_sq_experts" / "unified", tmp_path / "out", tp=1)
-    assert "\n" not in str(err.value) and err.value.exit_code == 2
+    SmoothQuant MoE, so `moepipe convert` refuses in one line with exit 2 (it used to crash
+    with a traceback: too much data for '...mlp.fc.act_scale') and writes nothing."""
+    from moepipe.cli import main
+
+    stock = GOLDEN / "int8_sq_experts" / "unified"
+    with pytest.raises(UnsupportedError, match="quantized routed experts"):
+        convert(stock, tmp_path / "out", tp=1)
+    with pytest.raises(SystemExit) as exit_:
+        main(["convert", "--model", str(stock), "--output", str(tmp_path / "cli"), "--tp", "2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: this int8_sq"), err
+    assert "(hint: quantize with moepipe" in err[0]
     assert list(tmp_path.iterdir()) == []
 
 
