@@ -161,7 +161,10 @@ def compile_routing(spec, arch: str, *, cubin: bool = True) -> CompiledRouting:
             f"the routing kernel for {arch} needs {meta.global_scratch_size} bytes of global "
             "scratch", "TensorRT's AOT plugin cannot provide scratch memory; this is a bug")
     ptx = strip_scratch_params(kernel.asm["ptx"], meta.name, len(SIGNATURE))
-    target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    found = re.search(r"^\.target\s+(\S+)", ptx, re.M)
+    if found is None:
+        raise UnsupportedError(f"the routing kernel's PTX for {arch} names no .target")
+    target = found.group(1)
     return CompiledRouting(
         arch=arch, name=meta.name, ptx=ptx, cubin=assemble(ptx, arch, target) if cubin else None,
         ptx_target=target, num_warps=meta.num_warps, block_x=meta.num_warps * 32,

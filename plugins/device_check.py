@@ -8,12 +8,13 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "pipeline"), str(ROOT / "benchmarks")]
 
 # every family's router at its real size (HF config fields)
-FAMILY_CONFIGS = {
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2},
     "Qwen2MoeForCausalLM": {"num_experts": 60, "num_experts_per_tok": 4,
                             "norm_topk_prob": False},

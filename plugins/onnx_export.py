@@ -14,6 +14,8 @@ the mode has none), outputs ``ids i32 [T, k], weights f32 [T, k], counts_partial
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from moepipe.arch.routing import RoutingSpec
@@ -42,8 +44,10 @@ def spec_attrs(spec: RoutingSpec) -> dict:
 
 def spec_from_attrs(attrs: dict) -> RoutingSpec:
     """The inverse of :func:`spec_attrs`."""
-    return RoutingSpec(**{field: bool(int(attrs[name])) if kind == "flag" else
-                          _CAST[kind](attrs[name]) for name, (field, kind) in ATTRS.items()})
+    fields: dict[str, Any] = {
+        field: bool(int(attrs[name])) if kind == "flag" else _CAST[kind](attrs[name])
+        for name, (field, kind) in ATTRS.items()}
+    return RoutingSpec(**fields)
 
 
 def routing_node(spec: RoutingSpec, inputs: list[str], outputs: list[str], name: str):
