@@ -1,0 +1,203 @@
+"""The trtllm-pytorch target's Triton model (TensorRT-LLM's LLM API behind the tensorrt_llm
+contract) with stand-ins: TensorRT-LLM cannot be installed here, so a scripted ``LLM`` plays the
+generator and ``triton_python_backend_utils`` is a minimal in-process copy. What is checked is
+the adapter's own logic - rows of a batch, ``stop`` by request id, refusals - not TensorRT-LLM.
+"""
+
+import asyncio
+import importlib.util
+import json
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MODEL = (Path(__file__).parents[2] / "model_repo" / "targets" / "trtllm-pytorch" / "model_repo"
+         / "tensorrt_llm" / "1" / "model.py")
+FINAL = 1
+
+
+class _Tensor:
+    def __init__(self, name, value):
+        self._name, self._value = name, np.asarray(value)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._value
+
+
+class _Response:
+    def __init__(self, output_tensors=(), error=None):
+        self.outputs = {t.name(): t.as_numpy() for t in output_tensors}
+        self.error = error
+
+
+class _Error:
+    INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
+
+    def __init__(self, message, code=None):
+        self.message, self.code = message, code
+
+
+def _pb_utils():
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+    pb.Tensor, pb.InferenceResponse, pb.TritonError = _Tensor, _Response, _Error
+    pb.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
+    pb.using_decoupled_model_transaction_policy = \
+        lambda cfg: cfg["model_transaction_policy"]["decoupled"]
+    pb.Logger = types.SimpleNamespace(log_warn=lambda msg: None)
+    return pb
+
+
+class _Result:
+    """A generate_async result: one token per step (prompt[-1] + 1, + 2, ...) until
+    max_tokens or abort()."""
+
+    def __init__(self, prompt, max_tokens):
+        self.prompt, self.max_tokens, self.finished, self.aborted = prompt, max_tokens, False, False
+        self.outputs = [types.SimpleNamespace(token_ids=[], logprobs=[], cumulative_logprob=0.0)]
+
+    def abort(self):
+        self.aborted = True
+
+    def __aiter__(self):
+        return self._steps()
+
+    async def _steps(self):
+        seq = self.outputs[0]
+        while len(seq.token_ids) < self.max_tokens and not self.aborted:
+            await asyncio.sleep(0.002)
+            seq.token_ids.append(self.prompt[-1] + len(seq.token_ids) + 1)
+            self.finished = len(seq.token_ids) == self.max_tokens
+            yield self
+        self.finished = True
+
+
+def _tensorrt_llm():
+    trt = types.ModuleType("tensorrt_llm")
+    trt.__version__ = "stand-in"
+
+    class LLM:
+        def __init__(self, **kwargs):
+            self.tokenizer = types.SimpleNamespace(decode=lambda ids: " ".join(map(str, ids)))
+
+        def generate_async(self, inputs, sampling_params, streaming):
+            return _Result(inputs["prompt_token_ids"], sampling_params.max_tokens)
+
+        def shutdown(self):
+            pass
+
+    trt.LLM, trt.SamplingParams = LLM, lambda **kw: types.SimpleNamespace(**kw)
+    return trt
+
+
+class _Sender:
+    def __init__(self):
+        self.sent, self.done = [], threading.Event()
+
+    def is_cancelled(self):
+        return False
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+        if flags & FINAL:
+            self.done.set()
+
+
+class _Request:
+    def __init__(self, request_id="", **inputs):
+        self.inputs = {k: _Tensor(k, v) for k, v in inputs.items()}
+        self._id, self.sender = request_id, _Sender()
+
+    def request_id(self):
+        return self._id
+
+    def get_response_sender(self):
+        return self.sender
+
+
+@pytest.fixture(params=[True, False], ids=["decoupled", "not-decoupled"])
+def model(request, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _pb_utils())
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", _tensorrt_llm())
+    folder = tmp_path / "1"
+    folder.mkdir()
+    (folder / "model.py").write_text(MODEL.read_text())
+    (folder / "model.yaml").write_text(
+        f"triton_config: {{max_batch_size: 4, decoupled: {str(request.param).lower()}}}\n")
+    spec = importlib.util.spec_from_file_location("pytorch_adapter_model", folder / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    instance = module.TritonPythonModel()
+    params = {"exclude_input_in_output": "false", "trtllm_container": "c",
+              "trtllm_version": "stand-in"}
+    instance.initialize({"model_config": json.dumps({
+        "max_batch_size": 4, "model_transaction_policy": {"decoupled": request.param},
+        "parameters": {k: {"string_value": v} for k, v in params.items()}})})
+    yield instance
+    instance.finalize()
+
+
+def _inputs(rows, n, **extra):
+    width = max(len(r) for r in rows)
+    out = {"input_ids": np.array([r + [0] * (width - len(r)) for r in rows], np.int32),
+           "input_lengths": np.array([[len(r)] for r in rows], np.int32),
+           "request_output_len": np.full((len(rows), 1), n, np.int32)}
+    out.update({k: np.full((len(rows), 1), v) for k, v in extra.items()})
+    return out
+
+
+def _run(model, request):
+    result = model.execute([request])
+    if result is not None:  # not decoupled: the one response
+        request.sender.sent.append((result[0], FINAL))
+        request.sender.done.set()
+    assert request.sender.done.wait(10)
+    return request.sender.sent
+
+
+def test_every_row_of_a_batch_is_served(model):
+    request = _Request(**_inputs([[10, 11], [20]], 3, exclude_input_in_output=True))
+    sent = _run(model, request)
+    if not model.decoupled:  # TensorRT-LLM's backend refuses it the same way
+        assert "Batch size > 1 requires" in sent[0][0].error.message
+        return
+    rows = {int(r.outputs["batch_index"][0][0]): r.outputs["output_ids"][0][0].tolist()
+            for r, _ in sent if r is not None}
+    assert rows == {0: [12, 13, 14], 1: [21, 22, 23]}
+    assert [flags for _, flags in sent].count(FINAL) == 1 and sent[-1][1] == FINAL
+
+
+def test_output_includes_the_prompt_by_default(model):
+    sent = _run(model, _Request(**_inputs([[10, 11]], 2)))
+    assert sent[-1][0].outputs["output_ids"][0][0].tolist() == [10, 11, 12, 13]
+    assert "batch_index" not in sent[-1][0].outputs  # only when the batch has > 1 row
+
+
+def test_stop_ends_the_request_with_the_same_id(model):
+    if not model.decoupled:
+        pytest.skip("non-decoupled execute() waits for its request (documented)")
+    long = _Request("r1", **_inputs([[5]], 100000))
+    model.execute([long])
+    time.sleep(0.05)
+    stop = _Request("r1", **_inputs([[0]], 0), stop=True)
+    model.execute([stop])
+    assert stop.sender.sent == [(stop.sender.sent[0][0], FINAL)]
+    assert stop.sender.sent[0][0].outputs == {}
+    assert long.sender.done.wait(10)
+    tokens = long.sender.sent[-1][0].outputs["output_ids"][0][0].tolist()
+    assert 1 < len(tokens) < 100000
+
+
+def test_stop_without_a_request_id_and_unserved_features_are_refused(model):
+    sent = _run(model, _Request(**_inputs([[5]], 1), stop=True))
+    assert "request ID is not provided" in sent[0][0].error.message
+    sent = _run(model, _Request(**_inputs([[5]], 1), return_context_logits=True))
+    assert "return_context_logits is not supported" in sent[0][0].error.message
