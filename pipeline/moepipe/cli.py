@@ -47,10 +47,11 @@ def _echo(text: str = "") -> None:
 def example(name: str = typer.Argument(..., help=" | ".join(EXAMPLES)),
             out: Path = typer.Option(..., "--out", help="Folder to create."),
             overwrite: bool = typer.Option(False, "--overwrite")) -> None:
-    """Write a seeded tiny random-weight checkpoint (HF format, with a real tokenizer)."""
+    """Write a built-in tiny checkpoint (HF format, with a real tokenizer): seeded random
+    weights, or (*-trained) trained once per machine on the shipped corpus."""
     from moepipe.examples import write_example
 
-    write_example(name, out, overwrite=overwrite)
+    write_example(name, out, overwrite=overwrite, progress=logging.getLogger("moepipe").info)
     _echo(f"wrote {name} to {out}")
 
 

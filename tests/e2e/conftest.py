@@ -48,3 +48,13 @@ def deployment_not_decoupled(deployment):
         yield nd, endpoint_for(nd, None, None)
     finally:
         server.stop(state, grace=40)
+
+
+@pytest.fixture(scope="session")
+def trained_mixtral(tmp_path_factory):
+    """The trained tiny Mixtral, trained once per test run (the session's private cache keeps
+    it, so builds in this run, child processes included, copy it instead of training)."""
+    from moepipe.examples import write_example
+
+    return write_example("tiny-mixtral-trained",
+                         tmp_path_factory.mktemp("trained") / "tiny-mixtral-trained")

@@ -9,20 +9,17 @@ cache lives in ``$MOEPIPE_CACHE_DIR`` (default ``~/.cache/moepipe``); losing it 
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 
 from moepipe.checkpoints.st_io import sha256_file
-from moepipe.utils.fs import write_text_atomic
+from moepipe.utils.fs import cache_root, write_text_atomic
 
 _lock = threading.Lock()
 
 
 def cache_file() -> Path:
-    root = os.environ.get("MOEPIPE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moepipe")
-    return Path(root) / "sha256.json"
+    return cache_root() / "sha256.json"
 
 
 def _signature(path: Path) -> str:

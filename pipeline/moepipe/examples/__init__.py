@@ -1,19 +1,28 @@
-"""Built-in tiny examples: seeded random-weight MoE checkpoints with a real local tokenizer.
+"""Built-in tiny examples: MoE checkpoints with a real local tokenizer, random or trained.
 
 ``write_example(name, out)`` writes a Hugging Face folder (config.json, model.safetensors,
 generation_config.json, tokenizer.json, ...) that ``AutoTokenizer`` / ``AutoModelForCausalLM``
 load offline. The same name gives byte-identical files.
+
+* Random examples (``tiny-mixtral``, ...): seeded random weights, written in a second; for tests
+  that need speed or adversarial routers.
+* Trained examples (``*-trained``): trained on CPU from a fixed seed on the shipped public-domain
+  corpus (:mod:`moepipe.examples.trained`), once per machine (about a minute), so they continue
+  a prompt with readable text and their router has learnt to spread tokens.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from moepipe.errors import ConfigError
+from moepipe.examples.train import Recipe
 from moepipe.utils.fs import atomic_dir
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
@@ -28,6 +37,11 @@ class Example:
     tokenizer_vocab: int = 512
     seed: int = 1234
     extra: dict[str, Any] = field(default_factory=dict)
+    recipe: Recipe | None = None  # trained on the shipped corpus when set
+
+    @property
+    def trained(self) -> bool:
+        return self.recipe is not None
 
 
 _COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -59,15 +73,51 @@ EXAMPLES: dict[str, Example] = {
              use_sliding_window=False), seed=3456),
 }
 
+# Trained examples: sizes that learn in about a minute on 2 cores, hidden and expert widths of
+# 128 so every CPU quantization format (INT4-AWQ: blocks of 128 input channels) applies.
+_TRAINED = dict(_COMMON, hidden_size=128, num_hidden_layers=2, vocab_size=1024,
+                rope_theta=10000.0)
+_QWEN_TRAINED = dict(_TRAINED, intermediate_size=128, moe_intermediate_size=128, num_experts=8,
+                     num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                     use_sliding_window=False)
+EXAMPLES.update({
+    "tiny-mixtral-trained": Example(
+        "MixtralConfig", "Mixtral-style, trained on Pride and Prejudice: 8 experts top-2, GQA",
+        dict(_TRAINED, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2),
+        tokenizer_vocab=1024, seed=11, recipe=Recipe()),
+    "tiny-qwen2-moe-trained": Example(
+        "Qwen2MoeConfig", "Qwen2-MoE-style, trained on Pride and Prejudice: 8 experts top-2 + "
+        "gated shared expert, QKV bias",
+        dict(_QWEN_TRAINED, shared_expert_intermediate_size=128, norm_topk_prob=False,
+             qkv_bias=True), tokenizer_vocab=1024, seed=12, recipe=Recipe()),
+    "tiny-qwen3-moe-trained": Example(
+        "Qwen3MoeConfig", "Qwen3-MoE-style, trained on Pride and Prejudice: 8 experts top-2 with "
+        "norm_topk_prob, q/k RMSNorm",
+        dict(_QWEN_TRAINED, norm_topk_prob=True, head_dim=32, attention_bias=False),
+        tokenizer_vocab=1024, seed=13, recipe=Recipe()),
+})
+
+
+def random_examples() -> list[str]:
+    """Names of the random-weight examples (instant; for fast and adversarial tests)."""
+    return [name for name, ex in EXAMPLES.items() if not ex.trained]
+
+
+def trained_examples() -> list[str]:
+    """Names of the trained examples (about a minute each, once per machine)."""
+    return [name for name, ex in EXAMPLES.items() if ex.trained]
+
+
 
 def family_examples() -> dict[str, str]:
-    """Registered architecture -> the first built-in example of that family (tests cover every
-    family through this; a family without an example is an error here)."""
+    """Registered architecture -> the first random-weight example of that family (tests cover
+    every family through this; a family without an example is an error here)."""
     from moepipe.arch import REGISTRY
 
     found: dict[str, str] = {}
     for name, ex in EXAMPLES.items():
-        found.setdefault(ex.config_class.removesuffix("Config") + "ForCausalLM", name)
+        if not ex.trained:  # tests need the instant ones
+            found.setdefault(ex.config_class.removesuffix("Config") + "ForCausalLM", name)
     missing = sorted(set(REGISTRY) - set(found))
     if missing:
         raise ConfigError(f"no built-in example for {', '.join(missing)}")
@@ -79,8 +129,9 @@ def corpus_text() -> str:
     return resources.files("moepipe.examples").joinpath("corpus.txt").read_text()
 
 
-def build_tokenizer(vocab_size: int):
-    """Train a byte-level BPE on the shipped corpus (deterministic) and wrap it for HF."""
+def build_tokenizer(vocab_size: int, text: str | None = None):
+    """Train a byte-level BPE on ``text`` (default: the small shipped corpus), deterministic,
+    and wrap it for HF."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -90,7 +141,7 @@ def build_tokenizer(vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(corpus_text().splitlines(), trainer=trainer)
+    tok.train_from_iterator((text or corpus_text()).splitlines(), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>", model_max_length=2048)
 
@@ -117,28 +168,75 @@ def _init_weights(model, seed: int) -> None:
             model.lm_head.weight[EOS] *= 0.1
 
 
-def write_example(name: str, out: str | Path, overwrite: bool = False) -> Path:
-    """Write example ``name`` as a Hugging Face checkpoint folder at ``out``."""
+def write_example(name: str, out: str | Path, overwrite: bool = False,
+                  progress: Callable[[str], None] = lambda text: None) -> Path:
+    """Write example ``name`` as a Hugging Face checkpoint folder at ``out``.
+
+    A trained example is trained the first time on this machine (``progress`` reports its
+    steps) and copied from the machine's cache afterwards."""
+    ex = _example(name)
+    out = Path(out)
+    recipe = ex.recipe
+    if recipe is not None:
+        from moepipe.examples.trained import cached_example
+
+        folder, _ = cached_example(name, ex,
+                                   lambda tmp: train_example_into(ex, recipe, tmp, progress))
+        with atomic_dir(out, overwrite) as tmp:
+            for f in sorted(folder.iterdir()):
+                shutil.copyfile(f, tmp / f.name)
+        return out
     import torch
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    if name not in EXAMPLES:
-        raise ConfigError(f"unknown example '{name}'",
-                          f"choose one of: {', '.join(sorted(EXAMPLES))}")
-    ex = EXAMPLES[name]
-    out = Path(out)
     tokenizer = build_tokenizer(ex.tokenizer_vocab)
     config = getattr(transformers, ex.config_class)(**ex.config, dtype="float32")
     torch.manual_seed(ex.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, ex.seed)
+    with atomic_dir(out, overwrite) as tmp:
+        _save(model, tokenizer, tmp)
+    return out
+
+
+def _save(model, tokenizer, folder: Path) -> None:
+    import transformers
+
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, do_sample=False)
-    with atomic_dir(out, overwrite) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-    return out
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+
+
+def train_example_into(ex: Example, recipe: Recipe, folder: Path,
+                progress: Callable[[str], None]) -> dict[str, Any]:
+    """Train ``ex`` from its seed on the corpus's training text and save it in ``folder``."""
+    import torch
+    import transformers
+
+    from moepipe.examples.train import deterministic_torch, train
+    from moepipe.examples.trained import CORPUS, TRAIN_CHAPTERS, training_text
+
+    transformers.utils.logging.disable_progress_bar()
+    text = training_text()
+    tokenizer = build_tokenizer(ex.tokenizer_vocab, text)
+    config = getattr(transformers, ex.config_class)(**ex.config, dtype="float32")
+    with deterministic_torch(recipe.threads), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(ex.seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        stats = train(model, ids, recipe, ex.seed, progress)
+    _save(model, tokenizer, folder)
+    return {"corpus": f"{CORPUS}, chapters 1-{TRAIN_CHAPTERS}", "training_tokens": len(ids),
+            "recipe": asdict(recipe), "seed": ex.seed, **stats}
+
+
+def _example(name: str) -> Example:
+    if name not in EXAMPLES:
+        raise ConfigError(f"unknown example '{name}'",
+                          f"choose one of: {', '.join(sorted(EXAMPLES))}")
+    return EXAMPLES[name]
 
 
 def example_spec(name: str):
@@ -147,10 +245,7 @@ def example_spec(name: str):
 
     from moepipe.arch import get_family
 
-    if name not in EXAMPLES:
-        raise ConfigError(f"unknown example '{name}'",
-                          f"choose one of: {', '.join(sorted(EXAMPLES))}")
-    ex = EXAMPLES[name]
+    ex = _example(name)
     config = getattr(transformers, ex.config_class)(**ex.config, dtype="float32").to_dict()
     arch = ex.config_class.replace("Config", "ForCausalLM")
     config["architectures"] = [arch]

@@ -4,9 +4,9 @@ TensorRT-LLM quantized checkpoint for the other targets).
 
 * Formats: ``fp8``, ``int8_sq`` (SmoothQuant), ``int4_awq`` (block 128) on CPU; ``w4a8_awq`` and
   ``nvfp4`` need a GPU. KV cache: ``fp8`` or ``int8``.
-* Calibration text comes from a local file or the corpus shipped with moepipe; nothing is
-  downloaded. The sequences after the calibration ones are kept (``heldout.json``) for the
-  quality stage.
+* Calibration text comes from a local file or, by default, the held-out chapters of the corpus
+  shipped with moepipe (text the trained examples never saw); nothing is downloaded. The
+  sequences after the calibration ones are kept (``heldout.json``) for the quality stage.
 * Experts are unfused first so that calibration, smoothing and AWQ reach every expert;
   ``moe_calib_experts_ratio=1.0`` routes calibration tokens through all experts.
 * Routers and shared-expert gates are never quantized (checked after calibration).
@@ -68,11 +68,11 @@ def check_dimensions(fmt: str, spec) -> None:
 
 def calibration_tokens(cfg: MoepipeConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
     """(calibration sequences, held-out sequences) of ``seq_len`` tokens each."""
-    from moepipe.examples import corpus_text
+    from moepipe.examples.trained import heldout_text
 
     cal = cfg.quantize.calibration
     if cal.dataset is None:
-        texts = [corpus_text()]
+        texts = [heldout_text()]  # text the trained examples never saw
     elif not cal.dataset.is_file():
         raise ConfigError(f"quantize.calibration.dataset: {cal.dataset} does not exist",
                           "give a local .txt or .jsonl file (nothing is downloaded)")

@@ -1,4 +1,5 @@
-"""Stage ``source``: the user's checkpoint used in place, or the built-in example written once."""
+"""Stage ``source``: the user's checkpoint used in place, or the built-in example written once
+(a trained example is trained once per machine and copied from the machine's cache)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,18 @@ def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
 
 def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
     from moepipe.examples import write_example
+    from moepipe.examples.trained import TRAINING_FILE
+    from moepipe.utils.fs import read_json
 
     out.rmdir()  # write_example creates the folder itself (atomically)
-    write_example(ctx.cfg.model.example, out)
-    return {"example": ctx.cfg.model.example}
+    # A trained example is trained once per machine (its steps are the progress), then copied.
+    write_example(ctx.cfg.model.example, out, progress=ctx.step)
+    details: dict[str, Any] = {"example": ctx.cfg.model.example}
+    if (out / TRAINING_FILE).is_file():
+        training = read_json(out / TRAINING_FILE, "the example's training record")
+        details["training"] = {k: training[k] for k in ("steps", "tokens", "loss_last",
+                                                         "aux_loss_last")}
+    return details
 
 
 def _in_place(cfg: MoepipeConfig) -> Path | None:
@@ -56,5 +65,5 @@ def source_spec(ctx: BuildContext):
 
 
 STAGE = Stage("source", 1, applies=lambda cfg: True, settings=_settings, inputs=(),
-              tools=("transformers", "tokenizers"), run=_run, link="model", hf_checkpoint=True,
-              in_place=_in_place, external=_files)
+              tools=("torch", "transformers", "tokenizers"), run=_run, link="model",
+              hf_checkpoint=True, in_place=_in_place, external=_files)

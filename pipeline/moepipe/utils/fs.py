@@ -14,6 +14,13 @@ from typing import Any
 from moepipe.errors import MoepipeError
 
 
+def cache_root() -> Path:
+    """moepipe's per-machine cache: ``$MOEPIPE_CACHE_DIR``, else ``~/.cache/moepipe``."""
+    root = os.environ.get("MOEPIPE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moepipe")
+    return Path(root)
+
+
 def check_output(path: Path, overwrite: bool) -> None:
     if path.exists() and not overwrite:
         raise MoepipeError(f"{path}: already exists", "pass --overwrite to replace it")

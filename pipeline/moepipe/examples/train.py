@@ -1,0 +1,110 @@
+"""Training of the built-in *trained* examples: a tiny MoE learns the shipped corpus on CPU.
+
+Plain next-token cross-entropy plus the family's usual load-balancing auxiliary loss
+(``router_aux_loss_coef`` x Switch-style ``E * sum_i f_i * P_i``, computed by ``transformers``
+from the router logits), AdamW with warm-up and cosine decay, a fixed number of steps.
+
+Deterministic: the weights are initialised and the batches drawn from fixed seeds, torch runs
+with a pinned thread count and ``torch.use_deterministic_algorithms(True)``, so the same
+example gives byte-identical weights on the same torch version and CPU kind. Different CPUs
+(another instruction set, another BLAS kernel) may round differently: the weights then differ
+in the last bits, never in what the example is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from moepipe.errors import MoepipeError
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a trained example is trained (part of its cache key)."""
+
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup: int = 20
+    final_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    aux_loss_coef: float = 0.01
+    threads: int = 2  # pinned: the result must not depend on the machine's core count
+
+
+@contextlib.contextmanager
+def deterministic_torch(threads: int) -> Iterator[None]:
+    """Pinned threads and deterministic algorithms for the block; restored afterwards."""
+    import torch
+
+    old_threads = torch.get_num_threads()
+    old_det = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old_det)
+        torch.set_num_threads(old_threads)
+
+
+def learning_rate(recipe: Recipe, step: int) -> float:
+    """Linear warm-up, then cosine decay to ``final_lr_ratio`` of the peak."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    done = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    low = recipe.final_lr_ratio
+    return recipe.lr * (low + (1 - low) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+def train(model, token_ids: list[int], recipe: Recipe, seed: int,
+          progress: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
+    """Train ``model`` (a transformers MoE causal LM, float32) in place on ``token_ids``.
+
+    Returns the first and last losses (language-model part and auxiliary part)."""
+    import torch
+
+    if len(token_ids) <= recipe.seq_len + 1:
+        raise MoepipeError(f"the training text has {len(token_ids)} tokens, fewer than one "
+                           f"sequence of {recipe.seq_len}", "ship a longer corpus")
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}],
+                            lr=recipe.lr, betas=(0.9, 0.95), foreach=False)
+    offsets = torch.arange(recipe.seq_len + 1)
+    history = []
+    model.train()
+    for step in range(recipe.steps):
+        lr = learning_rate(recipe, step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, len(ids) - recipe.seq_len - 1, (recipe.batch_size, 1),
+                               generator=gen)
+        batch = ids[starts + offsets]
+        out = model(input_ids=batch[:, :-1], output_router_logits=True)
+        lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
+        if out.aux_loss is None:
+            raise MoepipeError(f"{type(model).__name__} returns no load-balancing loss",
+                               "this family cannot be a trained example yet")
+        loss = lm + recipe.aux_loss_coef * out.aux_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        history.append((lm.item(), out.aux_loss.item()))
+        if step % 10 == 0 or step == recipe.steps - 1:
+            progress(f"step {step + 1}/{recipe.steps}: loss {history[-1][0]:.3f}, "
+                     f"balance loss {history[-1][1]:.3f}")
+    model.eval()
+    first, last = history[0], history[-1]
+    return {"steps": recipe.steps, "tokens": recipe.steps * recipe.batch_size * recipe.seq_len,
+            "loss_first": round(first[0], 4), "loss_last": round(last[0], 4),
+            "aux_loss_first": round(first[1], 4), "aux_loss_last": round(last[1], 4)}
