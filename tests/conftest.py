@@ -29,12 +29,15 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
+    """Everything under tests/gpu (or marked `gpu`) needs a GPU: skipped, visibly (pytest -ra
+    lists the reason), on machines without one."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")
+                 or "gpu" in item.path.relative_to(config.rootpath).parts[:2]]
+    if not gpu_tests or _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (none on this machine)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu_tests:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

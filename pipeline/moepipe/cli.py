@@ -142,7 +142,7 @@ def init(model: Path | None = typer.Option(None, "--model", help=field_help("mod
          config: Path = typer.Option(Path("moepipe.yaml"), "-c", "--config",
                                      help="File to write.")) -> None:
     """Write a commented moepipe.yaml in the current directory."""
-    from moepipe.config import render_init
+    from moepipe.commands.init import render_init
     from moepipe.utils.fs import write_text_atomic
 
     if (model is None) == (example_name is None):

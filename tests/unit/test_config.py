@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from moepipe.config import load_config, render_init
+from moepipe.commands.init import render_init
+from moepipe.config import load_config
 from moepipe.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
