@@ -47,10 +47,17 @@ def _value(value: Any) -> str:
         .removesuffix("...").strip()
 
 
+# The build section init writes unless a plan gives other limits.
+INIT_BUILD = {"max_batch_size": 8, "max_input_len": 1024, "max_seq_len": 2048}
+
+
 def render_init(*, model_path: str | None, example: str | None, target: str, tp: int, pp: int,
                 moe_tp: int | None, moe_ep: int | None, quantize: str = "none",
-                kv_cache: str = "none") -> str:
-    """A commented moepipe.yaml; validated before it is returned."""
+                kv_cache: str = "none", build: dict[str, Any] | None = None,
+                note: str | None = None, attention_dp: bool = False) -> str:
+    """A commented moepipe.yaml; validated before it is returned. ``build``: the build
+    section's values (default :data:`INIT_BUILD`); ``note``: a comment above ``parallel``
+    (where the values come from, e.g. `moepipe init --plan`)."""
     from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION as trtllm
 
     model = [("model.path", model_path)] if model_path is not None \
@@ -59,11 +66,10 @@ def render_init(*, model_path: str | None, example: str | None, target: str, tp:
         ("model", model + [("model.dtype", "auto"), ("model.trust_remote_code", False)]),
         ("target", []),
         ("parallel", [("parallel.tp", tp), ("parallel.pp", pp), ("parallel.moe_tp", moe_tp),
-                      ("parallel.moe_ep", moe_ep)]),
+                      ("parallel.moe_ep", moe_ep), ("parallel.attention_dp", attention_dp)]),
         ("convert", [("convert.workers", 1)]),
         ("quantize", [("quantize.format", quantize), ("quantize.kv_cache", kv_cache)]),
-        ("build", [("build.max_batch_size", 8), ("build.max_input_len", 1024),
-                   ("build.max_seq_len", 2048)]),
+        ("build", [(f"build.{k}", v) for k, v in (build or INIT_BUILD).items()]),
         ("deploy", [("deploy.host", "127.0.0.1"), ("deploy.http_port", 8000),
                     ("deploy.grpc_port", 8001), ("deploy.metrics_port", 8002),
                     ("deploy.decoupled", True)]),
@@ -77,6 +83,8 @@ def render_init(*, model_path: str | None, example: str | None, target: str, tp:
     scalars = {"target": target, "workdir": "moepipe-work"}
     for section, keys in layout:
         lines.append("")
+        if section == "parallel" and note:
+            lines.extend(f"# {line}" for line in textwrap.wrap(note, WIDTH - 2))
         lines.extend(_comment(section, "", trtllm))
         if not keys:
             lines.append(f"{section}: {_value(scalars[section])}")
