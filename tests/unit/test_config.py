@@ -4,6 +4,7 @@ shipped config validates."""
 from pathlib import Path
 
 import pytest
+import yaml
 
 from moepipe.commands.init import render_init
 from moepipe.config import load_config
@@ -64,12 +65,18 @@ def test_init_template_round_trips():
     text = render_init(model_path="/models/x", example=None, target="trtllm-engine", tp=4, pp=1,
                        moe_tp=None, moe_ep=4)
     assert "path: /models/x" in text and "moe_ep: 4" in text
+    # every key of the file carries its field description as a comment
+    from moepipe.config import field_info
+    for key in ("model.dtype", "parallel.tp", "deploy.decoupled", "quantize.format"):
+        first_words = " ".join(field_info(key)[0].split()[:3])
+        assert first_words in text, key
 
 
 def test_init_with_quantization_writes_the_quantize_section():
     text = render_init(model_path=None, example="tiny-mixtral", target="cpu", tp=2, pp=1,
                        moe_tp=None, moe_ep=2, quantize="int4_awq", kv_cache="fp8")
-    assert "  format: int4_awq\n  kv_cache: fp8\n" in text
+    assert "\n  format: int4_awq\n" in text and "\n  kv_cache: fp8\n" in text
+    assert yaml.safe_load(text)["quantize"] == {"format": "int4_awq", "kv_cache": "fp8"}
     # A quantized model is not expected to equal the unquantized one token for token.
     assert "min_token_agreement: 0.0" in text
 
