@@ -53,7 +53,7 @@ def settled(metrics_url: str, timeout: float = 15.0) -> dict[tuple[int, int], fl
     deadline, last = time.monotonic() + timeout, None
     while True:
         counts = scrape(metrics_url)
-        totals = {}
+        totals: dict[int, float] = {}
         for (layer, _), v in counts.items():
             totals[layer] = totals.get(layer, 0.0) + v
         if counts == last and len(set(totals.values())) <= 1:

@@ -63,7 +63,7 @@ class Sample:
     @property
     def itl(self) -> float | None:
         """Mean inter-token latency (AIPerf's definition: (latency - TTFT) / (tokens - 1))."""
-        if self.status != "ok" or self.first is None or self.tokens < 2:
+        if self.status != "ok" or self.first is None or self.done is None or self.tokens < 2:
             return None
         return (self.done - self.first) / (self.tokens - 1)
 
@@ -79,7 +79,7 @@ class Prompt:
 class LoadPlan:
     """What to send. Exactly one of ``concurrency`` or ``schedule`` is set."""
 
-    grpc_url: str
+    url: str  # host:port of the gRPC (protocol "grpc") or HTTP (protocol "http") endpoint
     prompts: list[Prompt]
     model: str = "ensemble"
     concurrency: int | None = None
@@ -90,6 +90,7 @@ class LoadPlan:
     max_inflight: int = 256
     seed: int = 0
     processes: int = 1
+    protocol: str = "grpc"  # or "http": Triton's /generate_stream, server-sent events
 
 
 @dataclass
@@ -203,6 +204,70 @@ class _Client:
         await self.channel.close()
 
 
+class _HttpClient:
+    """Triton's generate extension over HTTP/1.1 (``/v2/models/<model>/generate_stream``,
+    server-sent events), one connection per request: what HTTP load generators such as
+    AIPerf's template endpoint send."""
+
+    def __init__(self, url: str, model: str, timeout_s: float, t0: float):
+        host, _, port = url.removeprefix("http://").rstrip("/").rpartition(":")
+        self.host, self.port, self.model = host, int(port), model
+        self.timeout_s, self.t0 = timeout_s, t0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def send(self, prompt: Prompt) -> Sample:
+        s = Sample(prompt.kind, self.now())
+        body = json.dumps({"text_input": prompt.text, "max_tokens": prompt.max_tokens,
+                           "stream": True, "return_num_output_tokens": True}).encode()
+        try:
+            await asyncio.wait_for(self._exchange(body, s), self.timeout_s)
+        except asyncio.TimeoutError:
+            s.status, s.error = "timeout", f"no final response within {self.timeout_s:g}s"
+        except (OSError, ValueError) as e:  # refused, reset, a malformed answer
+            s.status, s.error = classify(str(e)), f"{type(e).__name__}: {e}"
+        if s.done is None:
+            s.done = self.now()
+        return s
+
+    async def _exchange(self, body: bytes, s: Sample) -> None:
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            writer.write(f"POST /v2/models/{self.model}/generate_stream HTTP/1.1\r\n"
+                         f"Host: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                         + body)
+            await writer.drain()
+            code = int((await reader.readline()).split()[1])
+            error = ""
+            while line := await reader.readline():
+                if line.startswith(b"data:"):
+                    event = json.loads(line[5:])
+                    now = self.now()
+                    if "error" in event:
+                        error = str(event["error"])
+                        break
+                    s.responses += 1
+                    s.done = now
+                    if event.get("text_output") and s.first is None:
+                        s.first = now
+                    n = event.get("num_output_tokens")
+                    n = n[0] if isinstance(n, list) else n
+                    if n is not None:
+                        s.tokens = max(s.tokens, int(n))
+                elif code != 200 and line.startswith(b"{"):
+                    error = str(json.loads(line).get("error", line.decode()))
+            if error or code != 200:
+                s.status, s.error, s.done = classify(error), error or f"HTTP {code}", self.now()
+            elif s.responses:
+                s.status = "ok"
+            else:
+                s.status, s.error = "failed", "the stream ended without a response"
+        finally:
+            writer.close()
+
+
 def _prompt_cycle(prompts: list[Prompt], seed: int):
     rng = random.Random(seed)
     order = list(prompts)
@@ -229,6 +294,11 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float) -> list[Sample
     prompts = _prompt_cycle(plan.prompts, plan.seed + 1)
     samples: list[Sample] = []
     tasks: set[asyncio.Task] = set()
+
+    def finished(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        samples.append(task.result())
+
     at, sent, start = 0.0, 0, 0.0
     for seconds, rate in plan.schedule or []:
         end = start + seconds
@@ -248,7 +318,7 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float) -> list[Sample
                 continue
             task = asyncio.create_task(client.send(prompt))
             tasks.add(task)
-            task.add_done_callback(lambda t: (tasks.discard(t), samples.append(t.result())))
+            task.add_done_callback(finished)
         start = end
     if tasks:
         await asyncio.gather(*tasks)
@@ -259,7 +329,8 @@ def _run_one(plan: LoadPlan, t0: float) -> tuple[list[Sample], float, float]:
     """Run a plan in this process; returns samples, CPU seconds and wall seconds."""
     async def main():
         await asyncio.sleep(max(0.0, t0 - time.monotonic()))
-        client = _Client(plan.grpc_url, plan.model, plan.timeout_s, t0)
+        kind = _HttpClient if plan.protocol == "http" else _Client
+        client: _Client | _HttpClient = kind(plan.url, plan.model, plan.timeout_s, t0)
         try:
             if plan.concurrency is not None:
                 return await _closed(plan, client, plan.duration_s)
@@ -306,6 +377,8 @@ def run_load(plan: LoadPlan) -> LoadResult:
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for _ in range(n)]
     for i, proc in enumerate(procs):
+        if proc.stdin is None:
+            raise RuntimeError("a load process has no stdin")
         proc.stdin.write(json.dumps({"plan": asdict(_share(plan, i, n)), "t0": t0}))
         proc.stdin.close()
     limit = plan.duration_s + plan.timeout_s + 60

@@ -44,14 +44,14 @@ def long_prompt(cfg: MoepipeConfig, tokens: int) -> str:
 
         tok = AutoTokenizer.from_pretrained(tok_dir)
         ids = tok(" ".join(words[: limit * 2]), add_special_tokens=False).input_ids[:limit - 4]
-        return tok.decode(ids)
+        return str(tok.decode(ids))
     return " ".join(words[: int(limit * 0.75)])
 
 
 def plan(cfg: MoepipeConfig, ep: Endpoint, prompts: list[Prompt], **load) -> LoadPlan:
     """A load plan with the driver settings of ``validate.load``."""
     d = cfg.validation.load
-    return LoadPlan(grpc_url=ep.grpc, prompts=prompts, processes=d.processes,
+    return LoadPlan(url=ep.grpc, prompts=prompts, processes=d.processes,
                     timeout_s=d.request_timeout_s, max_inflight=d.max_inflight, **load)
 
 

@@ -56,12 +56,13 @@ def summarize(result: LoadResult, samples: list[Sample] | None = None,
 
 
 def figure(summary: dict, path: str) -> float | None:
-    value = summary
+    """A figure of a summary by dotted path (``latency_ms.p99``); None where not measured."""
+    value: object = summary
     for part in path.split("."):
         if not isinstance(value, dict) or part not in value:
             return None
         value = value[part]
-    return float(value)
+    return float(value) if isinstance(value, int | float) else None
 
 
 def slo_violations(summary: dict, slo: dict[str, float | None]) -> list[str]:
@@ -87,7 +88,7 @@ def goodput(samples: list[Sample], slo: dict[str, float | None], seconds: float)
     for s in samples:
         if s.status != "ok":
             continue
-        if all(slo.get(k) is None or (getattr(s, attr) or 0.0) * 1000 <= slo[k]
+        if all((limit := slo.get(k)) is None or (getattr(s, attr) or 0.0) * 1000 <= limit
                for k, attr in limits.items()):
             good += 1
     return round(good / max(seconds, 1e-9), 3)
@@ -96,15 +97,15 @@ def goodput(samples: list[Sample], slo: dict[str, float | None], seconds: float)
 def timeline(samples: list[Sample], bin_s: float, until: float) -> list[dict]:
     """Per time bin (by send time): p99 latency of the ok requests and every outcome's count."""
     bins = max(1, math.ceil(until / bin_s))
-    rows = [{"t": round(i * bin_s, 3), "lat": [], **{k: 0 for k in OUTCOMES}}
-            for i in range(bins)]
+    rows: list[dict] = [{"t": round(i * bin_s, 3), **{k: 0 for k in OUTCOMES}}
+                        for i in range(bins)]
+    lats: list[list[float]] = [[] for _ in range(bins)]
     for s in samples:
         i = min(int(s.sent // bin_s), bins - 1)
         rows[i][s.status] += 1
         if s.latency is not None:
-            rows[i]["lat"].append(s.latency * 1000)
-    for r in rows:
-        lat = r.pop("lat")
+            lats[i].append(s.latency * 1000)
+    for r, lat in zip(rows, lats, strict=True):
         r["p99_ms"] = round(float(np.percentile(lat, 99)), 3) if lat else None
         r["p50_ms"] = round(float(np.percentile(lat, 50)), 3) if lat else None
     return rows

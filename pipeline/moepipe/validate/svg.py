@@ -89,10 +89,11 @@ def _legend(names: list[str]) -> list[str]:
 
 
 def lines(name: str, title: str, x_label: str, y_label: str,
-          series: dict[str, list[tuple[float, float]]], markers: bool = True,
-          bands: list[tuple[float, float, str]] = ()) -> str:
+          series: dict[str, list[tuple[float, float | None]]], markers: bool = True,
+          bands: list[tuple[float, float, str]] | None = None) -> str:
     """Line chart of named (x, y) series; ``bands`` shade x ranges (e.g. a burst)."""
-    pts = [p for s in series.values() for p in s if p[1] is not None]
+    bands = bands or []
+    pts = [(x, y) for s in series.values() for x, y in s if y is not None]
     ax = _Axes([p[0] for p in pts] + [b for band in bands for b in band[:2]],
                [p[1] for p in pts])
     body = []
@@ -103,7 +104,8 @@ def lines(name: str, title: str, x_label: str, y_label: str,
     body += ax.grid()
     for i, data in enumerate(series.values()):
         color = COLORS[i % len(COLORS)]
-        segs, cur = [], []
+        segs: list[list[str]] = []
+        cur: list[str] = []
         for x, y in data:
             if y is None:
                 segs, cur = segs + [cur] if cur else segs, []
