@@ -8,7 +8,8 @@ Deploys tiny-mixtral (tp=1) on the cpu target, then for each concurrency runs bo
 against the same server and compares what both measure the same way: request throughput,
 request latency p50/p99 and time to first token p50/p99, and the CPU each client spends per
 request (on a small machine the client's CPU is taken from the server). moepipe's driver over
-gRPC streaming, what the validation jobs use, is shown for reference. AIPerf reaches Triton's ``/generate_stream`` through its template endpoint; its
+gRPC streaming, what the validation jobs use, is shown for reference.
+AIPerf reaches Triton's ``/generate_stream`` through its template endpoint; its
 token counts come from re-tokenizing the streamed text (no server counts on that endpoint),
 so token throughput and inter-token latency are not compared. The driver reports its own CPU
 use. Target: every compared figure within 10% of AIPerf's.
