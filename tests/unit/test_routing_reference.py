@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from moepipe.arch import REGISTRY
 from moepipe.arch.routing import (
     DEVICE_LIMITED,
     DEVICE_LIMITED_RENORM,
@@ -160,3 +161,23 @@ def test_biases_must_match_the_spec():
         route(torch.zeros(2, 8), RoutingSpec(8, 2, router_bias=True))
     with pytest.raises(UnsupportedError, match="unknown keys"):
         RoutingSpec.from_dict({"num_experts": 8, "top_k": 2, "jitter": 0.1})
+
+
+@pytest.mark.parametrize("arch", sorted(REGISTRY))
+def test_converted_routing_equals_the_hugging_face_routing(arch):
+    """What the converter writes (TensorRT-LLM's moe section) routes every registered family
+    as its Hugging Face config does."""
+    from moepipe.arch import get_family
+    from moepipe.examples import EXAMPLES, family_examples
+
+    example = EXAMPLES[family_examples()[arch]]
+    hf_config = getattr(transformers, example.config_class)(**example.config).to_dict()
+    spec = get_family(arch).spec({**hf_config, "architectures": [arch]}, "test")
+    converted = RoutingSpec.from_trtllm({
+        "num_experts": spec.num_experts, "top_k": spec.top_k,
+        "normalization_mode": get_family(arch).normalization_mode(spec)})
+    logits = torch.randn(64, spec.num_experts, generator=torch.Generator().manual_seed(5))
+    ids_c, w_c = route(logits, converted)
+    ids_h, w_h = route(logits, spec_from_hf(arch, hf_config))
+    assert torch.equal(ids_c, ids_h)
+    torch.testing.assert_close(w_c, w_h, rtol=1e-6, atol=1e-6)
