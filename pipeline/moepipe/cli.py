@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from moepipe.config import field_help
-from moepipe.errors import MoepipeError
+from moepipe.errors import ConfigError, MoepipeError
 from moepipe.examples import EXAMPLES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -279,36 +279,60 @@ def deploy(config: Path | None = ConfigOpt) -> None:
     run_deploy(load_config(config), echo=_echo)
 
 
+def _deployment(config: Path | None) -> tuple[Path, Path | None]:
+    """(state folder, model repository) of the config's deployment. A config that became
+    invalid after the deploy still names its workdir: stop and status work from that."""
+    from moepipe.commands.deploy import repository_dir, state_dir
+    from moepipe.config import load_config, workdir_of
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as e:
+        workdir = workdir_of(config)
+        if workdir is None or not (workdir / "server").is_dir():
+            raise
+        logging.getLogger("moepipe").warning("%s; using the deployment recorded in %s",
+                                             e.message, workdir / "server")
+        return workdir / "server", None
+    return state_dir(cfg), repository_dir(cfg)
+
+
 @app.command()
 def stop(config: Path | None = ConfigOpt) -> None:
-    """Stop the workdir's Triton server by PID (graceful, then forced)."""
-    from moepipe.commands.deploy import state_dir
-    from moepipe.config import load_config
+    """Stop the workdir's Triton server and every process of its deployment."""
     from moepipe.deploy import server
 
-    cfg = load_config(config)
-    res = server.stop(state_dir(cfg), grace=cfg.deploy.exit_timeout_s + 10)
-    how = "" if res["graceful"] else " (forced)"
-    _echo(f"stopped tritonserver pid {res['pid']}{how}" if res["was_running"]
-          else f"tritonserver pid {res['pid']} was not running; cleared its record")
+    where, repository = _deployment(config)
+    res = server.stop(where, repository=repository)
+    how = "" if res["graceful"] else f" (forced: {res['forced']})"
+    left = f"; killed {res['leftovers']} leftover process(es)" if res["leftovers"] else ""
+    if res["was_running"]:
+        _echo(f"stopped tritonserver pid {res['pid']}{how}{left}")
+    elif res["pid"] is not None:
+        _echo(f"tritonserver pid {res['pid']} was not running; cleared its record{left}")
+    else:
+        _echo(f"no tritonserver was running{left}")
 
 
 @app.command()
 def status(config: Path | None = ConfigOpt,
            as_json: bool = typer.Option(False, "--json")) -> None:
-    """Is the workdir's Triton server running, and where."""
-    from moepipe.commands.deploy import state_dir
-    from moepipe.config import load_config
+    """Is the workdir's Triton server serving, and where."""
     from moepipe.deploy import server
 
-    info = server.status(state_dir(load_config(config)))
+    info = server.status(*_deployment(config))
     if as_json:
         typer.echo(json.dumps(info))
     elif info["running"]:
+        sup = f"  supervised (restarts {info['restarts']}/{info['max_restarts']})" \
+            if info.get("supervised") else ""
         typer.echo(f"running  pid {info['pid']}  http {info['http']}  grpc {info['grpc']}  "
-                   f"metrics {info['metrics']}")
+                   f"metrics {info['metrics']}{sup}")
+    elif info.get("dead_models"):
+        typer.echo(f"not serving: the backend process of {info['dead_models'][0]} died "
+                   f"(tritonserver pid {info['pid']} is still up)")
     else:
-        typer.echo("not running")
+        typer.echo("not running" + (f": {info['failure']}" if info.get("failure") else ""))
 
 
 @app.command()

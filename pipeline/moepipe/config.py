@@ -246,6 +246,9 @@ class DeploySection(Section):
     cpu_threads: int = Field(1, ge=1, description="torch threads of the cpu target's engine.")
     ready_timeout_s: float = Field(180.0, gt=0, description="How long deploy waits for ready.")
     exit_timeout_s: int = Field(30, ge=1, description="Grace period for in-flight requests.")
+    max_restarts: int = Field(3, ge=0, description="cpu target: times the supervisor restarts "
+                                                   "a server whose process or a model process "
+                                                   "died (0: only stop it).")
     tritonserver: Path | None = Field(None, description="tritonserver binary (default: PATH, "
                                                         "else the one in nvidia-pytriton).")
     trtllm: TrtllmDeploySection = Field(default_factory=TrtllmDeploySection,

@@ -49,7 +49,12 @@ def test_model_that_fails_to_load_shows_the_servers_reason(tmp_path):
     cfg = make_config(tmp_path / "w")
     run_build(cfg.workdir / "moepipe.yaml", echo=lambda s: None)
     rank = cfg.workdir / "checkpoint" / "rank1.safetensors"
-    rank.write_bytes(rank.read_bytes()[:-4096])  # truncated after the build
+    # A corrupt header the build's cheap check cannot see (same size, same mtime; deploy
+    # refuses outputs whose size or contents changed), so the server meets it while loading.
+    st = rank.stat()
+    with open(rank, "r+b") as f:
+        f.write(b"\xff" * 8)
+    os.utime(rank, ns=(st.st_atime_ns, st.st_mtime_ns))
     proc = _cli("deploy", cwd=cfg.workdir)
     assert proc.returncode == 2
     first = proc.stderr.splitlines()[0]

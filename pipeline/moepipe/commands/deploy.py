@@ -53,12 +53,25 @@ def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:
     return "\n".join(lines)
 
 
+def repository_dir(cfg: MoepipeConfig) -> Path:
+    """Where the deploy renders the model repository (the deployment's identity on /proc)."""
+    return cfg.deploy_dir / "model_repo"
+
+
 def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
-    current = server.status(state_dir(cfg))
-    if current.get("running"):
+    from moepipe.deploy import processes
+
+    current = server.status(state_dir(cfg), repository_dir(cfg))
+    if current.get("server_alive"):
         raise MoepipeError(f"a server is already running for this workdir (pid "
                            f"{current['pid']}, http {current['http']})",
                            "run `moepipe stop` first")
+    # What an earlier deployment left behind (stubs of a killed server, its supervisor).
+    left = processes.kill_all(processes.deployment_processes(repository_dir(cfg),
+                                                             current.get("pid")))
+    if left:
+        echo(f"deploy: stopped {len(left)} process(es) an earlier deployment left behind")
+    (state_dir(cfg) / server.STATE_FILE).unlink(missing_ok=True)
     art = artifacts(cfg)
     repo = render_deployment(cfg, art)
     echo(f"deploy: rendered {cfg.target} repository at {repo}")
@@ -70,10 +83,15 @@ def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
                          grpc_port=d.grpc_port, metrics_port=d.metrics_port,
                          timeout=d.ready_timeout_s, exit_timeout=d.exit_timeout_s,
                          binary=d.tritonserver)
+    from moepipe.deploy.supervisor import spawn
+
+    state = spawn(state_dir(cfg), state, d.max_restarts)
     echo(f"deploy: tritonserver ready (pid {state.pid})\n"
          f"  http     http://{state.http}  (POST /v2/models/ensemble/generate)\n"
          f"  grpc     {state.grpc}\n"
          f"  metrics  http://{state.metrics}/metrics\n"
          f"  log      {state.log}\n"
+         f"  restarts up to {d.max_restarts} time(s) if the server or a model process dies "
+         "(deploy.max_restarts)\n"
          "  stop with `moepipe stop`")
     return state.to_status(True)

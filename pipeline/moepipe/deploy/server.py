@@ -22,47 +22,20 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moepipe.errors import EnvironmentMissing, MoepipeError
+from moepipe.deploy.state import (  # noqa: F401 (the names callers import from here)
+    STATE_FILE,
+    ServerError,
+    ServerState,
+    read_state,
+    write_state,
+)
+from moepipe.errors import EnvironmentMissing
 from moepipe.utils.fs import tail_lines
 
-STATE_FILE = "server.json"
 LOG_FILE = "tritonserver.log"
 # Lines of the server log that are noise on a machine without a GPU.
 _HARMLESS = ("CudaDriverHelper", "unable to create stream", "CUDA driver",
              "Unable to get GPU count", "GPU metrics")
-
-
-class ServerError(MoepipeError):
-    """The server could not be started, or is not in the expected state."""
-
-
-@dataclass
-class ServerState:
-    pid: int
-    host: str
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    repository: str
-    log: str
-    binary: str
-    started: float
-
-    @property
-    def http(self) -> str:
-        return f"{self.host}:{self.http_port}"
-
-    @property
-    def grpc(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
-
-    @property
-    def metrics(self) -> str:
-        return f"{self.host}:{self.metrics_port}"
-
-    def to_status(self, running: bool) -> dict:
-        return {"running": running, "pid": self.pid, "http": self.http, "grpc": self.grpc,
-                "metrics": self.metrics, "repository": self.repository, "log": self.log}
 
 
 @dataclass
@@ -144,21 +117,11 @@ def _alive(pid: int) -> bool:
     return b"tritonserver" in cmdline and ") Z " not in stat
 
 
-def read_state(state_dir: Path) -> ServerState | None:
-    path = state_dir / STATE_FILE
-    if not path.is_file():
-        return None
-    try:
-        return ServerState(**json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError):
-        return None
+def status(state_dir: Path, repository: Path | None = None) -> dict:
+    """See :func:`moepipe.deploy.lifecycle.status`."""
+    from moepipe.deploy.lifecycle import status as _status
 
-
-def status(state_dir: Path) -> dict:
-    state = read_state(state_dir)
-    if state is None:
-        return {"running": False}
-    return state.to_status(_alive(state.pid))
+    return _status(state_dir, repository)
 
 
 def log_tail(log: Path, lines: int = 15) -> str:
@@ -219,7 +182,8 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
                                 start_new_session=True)
     state = ServerState(pid=proc.pid, host=host, http_port=http_port, grpc_port=grpc_port,
                         metrics_port=metrics_port, repository=str(repository), log=str(log),
-                        binary=str(triton.path), started=time.time())
+                        binary=str(triton.path), started=time.time(), exit_timeout=exit_timeout,
+                        backend_dir=str(triton.backend_dir) if triton.backend_dir else None)
     (state_dir / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -230,6 +194,12 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
             raise ServerError(f"tritonserver exited during start: {reason}",
                               f"full log: {log}", details=log_tail(log))
         if _ready(host, http_port):
+            from moepipe.deploy.processes import deployment_processes
+
+            # The model processes, so that one that dies later is noticed.
+            state.models = {p.model: p.pid for p in deployment_processes(repository, proc.pid)
+                            if p.kind == "stub" and p.model}
+            write_state(state_dir, state)
             return state
         time.sleep(0.25)
     _terminate(proc.pid, exit_timeout)
@@ -278,15 +248,12 @@ def _reap(pid: int) -> None:
         pass
 
 
-def stop(state_dir: Path, grace: float = 40.0) -> dict:
-    """Stop the workdir's server by PID (graceful, then forced). Returns what happened."""
-    state = read_state(state_dir)
-    if state is None:
-        raise ServerError("no server is recorded for this workdir", "nothing to stop")
-    running = _alive(state.pid)
-    graceful = _terminate(state.pid, grace) if running else True
-    (state_dir / STATE_FILE).unlink(missing_ok=True)
-    return {"pid": state.pid, "was_running": running, "graceful": graceful}
+def stop(state_dir: Path, grace: float | None = None, repository: Path | None = None) -> dict:
+    """Stop the workdir's server and every process of its deployment; see
+    :func:`moepipe.deploy.lifecycle.stop`."""
+    from moepipe.deploy.lifecycle import stop as _stop
+
+    return _stop(state_dir, repository, grace)
 
 
 def wait(state: ServerState) -> int:

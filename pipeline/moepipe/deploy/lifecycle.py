@@ -1,0 +1,178 @@
+"""Status and stop of a deployment's server, from what the deploy recorded or, when
+``server.json`` is gone, from the processes themselves.
+
+``stop`` is prompt: SIGTERM lets Triton finish the requests in flight, but when a model's
+backend process has died, or the requests in flight make no progress (no token, no finished
+request) for :data:`NO_PROGRESS_S`, waiting for Triton's exit timeout helps nobody and the
+deployment is killed at once. Every process of the deployment (server, backend stubs that a
+killed server left behind, the supervisor) is gone when ``stop`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from moepipe.deploy import processes
+from moepipe.deploy.state import STATE_FILE, ServerError, ServerState, read_state
+
+# In-flight requests with no visible progress for this long are hung: stop without waiting.
+NO_PROGRESS_S = 2.0
+POLL_S = 0.25
+
+
+def _found_state(proc: processes.Proc, state_dir: Path) -> ServerState:
+    """A server that ``server.json`` no longer records, described from its command line."""
+    def port(name: str, default: int) -> int:
+        value = proc.option(name)
+        return int(value) if value and value.isdigit() else default
+
+    return ServerState(pid=proc.pid, host=proc.option("http-address") or "127.0.0.1",
+                       http_port=port("http-port", 8000), grpc_port=port("grpc-port", 8001),
+                       metrics_port=port("metrics-port", 8002),
+                       repository=proc.option("model-repository") or "",
+                       log=str(state_dir / "tritonserver.log"), binary=proc.argv[0],
+                       started=0.0, exit_timeout=port("exit-timeout-secs", 30))
+
+
+def locate(state_dir: Path, repository: Path | None) -> tuple[ServerState | None, bool]:
+    """(the deployment's server, whether ``server.json`` recorded it). Without a record, a
+    running tritonserver on ``repository`` is found by its command line."""
+    state = read_state(state_dir)
+    if state is not None:
+        return state, True
+    if repository is None:
+        return None, False
+    servers = [p for p in processes.deployment_processes(repository) if p.kind == "server"]
+    return (_found_state(servers[0], state_dir), False) if servers else (None, False)
+
+
+def dead_models(state: ServerState) -> list[str]:
+    """Model instances whose backend process died since the server became ready."""
+    return [f"{name} (pid {pid})" for name, pid in sorted((state.models or {}).items())
+            if not processes.alive(pid)]
+
+
+def ready(state: ServerState) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{state.http}/v2/health/ready", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def status(state_dir: Path, repository: Path | None = None) -> dict:
+    """What runs for this workdir. ``running`` means serving: the server is up and none of
+    its model processes has died."""
+    state, recorded = locate(state_dir, repository)
+    if state is None:
+        failed = _failure(state_dir)
+        return {"running": False, **({"failure": failed} if failed else {})}
+    server_alive = processes.alive(state.pid)
+    dead = dead_models(state) if server_alive else []
+    info = state.to_status(server_alive and not dead)
+    info.update(server_alive=server_alive, dead_models=dead, recorded=recorded,
+                supervised=bool(state.supervisor_pid and processes.alive(state.supervisor_pid)))
+    if not recorded:
+        info["note"] = f"{STATE_FILE} is missing; found the server by its command line"
+    failed = _failure(state_dir)
+    if failed and not info["running"]:
+        info["failure"] = failed
+    return info
+
+
+def _failure(state_dir: Path) -> str | None:
+    try:
+        return json.loads((state_dir / "supervisor.json").read_text()).get("gave_up")
+    except (OSError, ValueError):
+        return None
+
+
+_METRIC = re.compile(r"^(\w+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
+
+
+def _metrics(state: ServerState) -> dict[str, float] | None:
+    try:
+        with urllib.request.urlopen(f"http://{state.metrics}/metrics", timeout=1) as r:
+            text = r.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError):
+        return None
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m and m.group(2) != "NaN":
+            sums[m.group(1)] = sums.get(m.group(1), 0.0) + float(m.group(2))
+    return sums
+
+
+def _progress(state: ServerState) -> tuple[float, tuple] | None:
+    """(requests in flight, a value that changes whenever any of them progresses)."""
+    m = _metrics(state)
+    if m is None:
+        return None
+    in_flight = m.get("moepipe_running_requests", 0) \
+        + m.get("nv_inference_pending_request_count", 0)
+    return in_flight, (m.get("moepipe_generated_tokens_total", 0),
+                       m.get("nv_inference_request_success", 0),
+                       m.get("nv_inference_request_failure", 0))
+
+
+def terminate(state: ServerState, grace: float) -> tuple[bool, str | None]:
+    """SIGTERM, then SIGKILL when Triton's wait for in-flight requests is pointless (a model
+    process died, or nothing progresses) or after ``grace``. Returns (graceful, why forced)."""
+    dead = dead_models(state)
+    if dead:  # requests routed to it can never finish: Triton would wait its exit timeout
+        os.kill(state.pid, signal.SIGKILL)
+        return False, f"model process {dead[0]} had died"
+    before = _progress(state)
+    try:
+        os.kill(state.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True, None
+    deadline = time.monotonic() + grace
+    last, since = before, time.monotonic()
+    reason = f"still running after {grace:.0f}s"
+    while time.monotonic() < deadline:
+        if not processes.alive(state.pid):
+            return True, None
+        now = _progress(state)
+        if now is not None and last is not None and now[1] != last[1]:
+            since = time.monotonic()
+        if now is not None:
+            last = now
+        if now is not None and now[0] > 0 and time.monotonic() - since > NO_PROGRESS_S:
+            reason = f"{now[0]:.0f} request(s) in flight made no progress for {NO_PROGRESS_S:.0f}s"
+            break
+        time.sleep(POLL_S)
+    return False, reason
+
+
+def stop(state_dir: Path, repository: Path | None = None, grace: float | None = None) -> dict:
+    """Stop the deployment's server and every process that belongs to it."""
+    state, recorded = locate(state_dir, repository)
+    repo = Path(state.repository) if state is not None and state.repository else repository
+    procs = processes.deployment_processes(repo, state.pid if state else None) if repo else []
+    if state is None and not procs:
+        (state_dir / STATE_FILE).unlink(missing_ok=True)
+        raise ServerError("no server is recorded or running for this workdir", "nothing to stop")
+    # The supervisor first: it would restart what is being stopped.
+    processes.kill_all([p for p in procs if p.kind == "supervisor"])
+    running = state is not None and processes.alive(state.pid)
+    graceful, forced = True, None
+    if running:
+        graceful, forced = terminate(state, state.exit_timeout + 10 if grace is None else grace)
+    # What is left: the server after SIGKILL, stubs a dead server left behind (same process
+    # group, or naming the repository).
+    left = processes.deployment_processes(repo, state.pid if state else None) if repo else []
+    killed = processes.kill_all(left)
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    pid = state.pid if state is not None else None
+    return {"pid": pid, "was_running": running, "graceful": graceful, "forced": forced,
+            "leftovers": len([k for k in killed if k != pid]),
+            "recorded": recorded}

@@ -1,0 +1,116 @@
+"""The supervisor of a deployed server: ``python -m moepipe.deploy.supervisor STATE_DIR REPO``.
+
+``moepipe deploy`` starts it (detached) once the server is ready. Every :data:`POLL_S` it
+checks that the server and each model's backend process are alive; when one has died it kills
+what is left of the deployment at once (so readiness is no longer claimed by a server that
+cannot answer) and starts the server again, up to ``deploy.max_restarts`` times, waiting
+``2**n`` seconds (at most 10) before the n-th retry of a failed start. ``server.json`` always
+describes the current server (``restarts`` counts them); giving up is recorded in
+``supervisor.json`` and shown by ``moepipe status``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from moepipe.deploy import processes
+from moepipe.deploy.lifecycle import dead_models
+from moepipe.deploy.server import server_env
+from moepipe.deploy.state import ServerError, ServerState, read_state, write_state
+
+POLL_S = 0.5
+LOG = "supervisor.log"
+log = logging.getLogger("moepipe.supervisor")
+
+
+def spawn(state_dir: Path, state: ServerState, max_restarts: int) -> ServerState:
+    """Start the supervisor for ``state`` (detached: it outlives ``moepipe deploy``)."""
+    state.max_restarts = max_restarts
+    (state_dir / "supervisor.json").unlink(missing_ok=True)
+    with open(state_dir / LOG, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "moepipe.deploy.supervisor",
+                                 str(state_dir), state.repository],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=server_env(), start_new_session=True)
+    state.supervisor_pid = proc.pid
+    write_state(state_dir, state)
+    return state
+
+
+def problem(state: ServerState) -> str | None:
+    """Why the deployment cannot serve (None: it can)."""
+    if not processes.alive(state.pid):
+        return f"tritonserver (pid {state.pid}) exited"
+    dead = dead_models(state)
+    return f"the backend process of model {dead[0]} died" if dead else None
+
+
+def restart(state_dir: Path, old: ServerState) -> ServerState:
+    from moepipe.deploy.server import start
+
+    new = start(Path(old.repository), state_dir, host=old.host, http_port=old.http_port,
+                grpc_port=old.grpc_port, metrics_port=old.metrics_port,
+                exit_timeout=old.exit_timeout,
+                binary=None if old.backend_dir else Path(old.binary))
+    new.supervisor_pid, new.max_restarts = os.getpid(), old.max_restarts
+    new.restarts = old.restarts + 1
+    write_state(state_dir, new)
+    return new
+
+
+def run(state_dir: Path, repository: str) -> int:
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *a: stopping.append(True))
+    attempts, cause = 0, None
+    while not stopping:
+        state = read_state(state_dir)
+        if state is None or state.repository != repository or \
+                state.supervisor_pid != os.getpid():
+            return 0  # stopped, or another deploy took over
+        why = problem(state)
+        if why is None:
+            attempts, cause = 0, None
+            time.sleep(POLL_S)
+            continue
+        failed_at = time.time()
+        cause = cause or why
+        log.warning("%s; stopping what is left of the deployment", why)
+        processes.kill_all(processes.deployment_processes(repository, state.pid))
+        if state.restarts >= state.max_restarts:
+            (state_dir / "supervisor.json").write_text(json.dumps(
+                {"gave_up": f"{cause}; gave up after {state.restarts} restart(s) "
+                            f"(deploy.max_restarts: {state.max_restarts})",
+                 "at": failed_at}) + "\n")
+            (state_dir / "server.json").unlink(missing_ok=True)
+            log.error("giving up after %d restart(s)", state.restarts)
+            return 1
+        if attempts:
+            time.sleep(min(2 ** attempts, 10))
+        attempts += 1
+        try:
+            new = restart(state_dir, state)
+            log.warning("restarted tritonserver (pid %d) in %.1fs", new.pid,
+                        time.time() - failed_at)
+        except ServerError as e:
+            log.error("restart failed: %s", e.message)
+            cause = f"{cause}; the restart failed: {e.message}"
+            state.restarts += 1
+            state.pid = -1
+            write_state(state_dir, state)
+    return 0
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s moepipe supervisor: %(message)s")
+    sys.exit(run(Path(sys.argv[1]), sys.argv[2]))
+
+
+if __name__ == "__main__":
+    main()

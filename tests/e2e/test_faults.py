@@ -1,0 +1,154 @@
+"""Faults of a running deployment (issue 9, cases 5-8), against a real tritonserver: a dead
+model process turns readiness false and the supervisor restores service; a killed server is
+restarted and leaves no orphaned backend process; a lost ``server.json`` loses nothing; stop is
+prompt when requests hang and works from what the deploy recorded when moepipe.yaml became
+invalid. Recovery times are printed (README "Faults" quotes them), never asserted."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from helpers import make_config
+
+from moepipe.commands.build import run_build
+from moepipe.commands.deploy import repository_dir, run_deploy, state_dir
+from moepipe.deploy import processes
+from moepipe.errors import MoepipeError
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "moepipe", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _ready(cfg) -> bool:
+    try:
+        url = f"http://127.0.0.1:{cfg.deploy.http_port}/v2/health/ready"
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _generate(cfg, max_tokens=4, timeout=60):
+    body = json.dumps({"text_input": "Call me Ishmael.", "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{cfg.deploy.http_port}/v2/models/ensemble/generate", body,
+        {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _state(cfg):
+    return json.loads((state_dir(cfg) / "server.json").read_text())
+
+
+def _wait(cond, timeout=240.0, step=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return False
+
+
+def _left(cfg):
+    return processes.deployment_processes(repository_dir(cfg))
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    """A supervised deployment of its own (the tests kill its processes)."""
+    workdir = tmp_path_factory.mktemp("faults")
+    cfg = make_config(workdir, deploy={"max_restarts": 5})
+    run_build(workdir / "moepipe.yaml", echo=lambda s: None)
+    run_deploy(cfg, echo=lambda s: None)
+    yield cfg
+    processes.kill_all(_left(cfg))
+
+
+def _kill_and_recover(cfg, pid, what):
+    restarts = _state(cfg)["restarts"]
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    assert _wait(lambda: not _ready(cfg), timeout=10), "readiness still claimed"
+    not_ready = time.monotonic() - killed
+    assert _wait(lambda: _ready(cfg) and _state(cfg)["restarts"] == restarts + 1)
+    recovered = time.monotonic() - killed
+    print(f"\n{what} killed: not ready after {not_ready:.2f}s, ready again after "
+          f"{recovered:.1f}s")
+    assert _generate(cfg)["text_output"]
+
+
+def test_dead_model_process_turns_readiness_false_and_is_replaced(faulty):
+    cfg = faulty
+    stub = _state(cfg)["models"]["tensorrt_llm_0_0"]
+    _kill_and_recover(cfg, stub, "tensorrt_llm backend process")
+    assert not processes.alive(stub)
+    status = json.loads(_cli("status", "--json", cwd=cfg.workdir).stdout)
+    assert status["running"] and status["supervised"] and status["restarts"] == 1
+
+
+def test_killed_server_is_restarted_and_leaves_no_orphans(faulty):
+    cfg = faulty
+    old = _state(cfg)
+    _kill_and_recover(cfg, old["pid"], "tritonserver")
+    assert not [pid for pid in old["models"].values() if processes.alive(pid)]
+    pids = {p.pid for p in _left(cfg)}
+    assert _state(cfg)["pid"] in pids and not pids & set(old["models"].values())
+
+
+def test_stop_is_prompt_with_hung_requests_and_an_invalid_config(faulty):
+    cfg = faulty
+    stub = _state(cfg)["models"]["tensorrt_llm_0_0"]
+    def hang():
+        try:
+            _generate(cfg, max_tokens=400, timeout=120)
+        except OSError:  # the stop cuts it off
+            pass
+
+    hung = threading.Thread(target=hang, daemon=True)
+    hung.start()
+    time.sleep(0.3)
+    os.kill(stub, signal.SIGSTOP)  # the engine hangs with the request in flight
+    config = cfg.workdir / "moepipe.yaml"
+    config.write_text(config.read_text() + "parallel: {tp: [half-written\n")
+    proc = _cli("stop", cwd=cfg.workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert "forced: 1 request(s) in flight made no progress" in proc.stdout \
+        or "forced" not in proc.stdout  # the request may have finished before SIGSTOP
+    assert "stopped tritonserver" in proc.stdout and "using the deployment recorded" in \
+        proc.stderr
+    assert _left(cfg) == []
+
+
+def test_lost_server_json_and_orphans_after_sigkill(tmp_path):
+    cfg = make_config(tmp_path / "w", deploy={"max_restarts": 0})
+    run_build(cfg.workdir / "moepipe.yaml", echo=lambda s: None)
+    run_deploy(cfg, echo=lambda s: None)
+    try:
+        pid = _state(cfg)["pid"]
+        (state_dir(cfg) / "server.json").unlink()
+        status = json.loads(_cli("status", "--json", cwd=cfg.workdir).stdout)
+        assert status["running"] and status["pid"] == pid and not status["recorded"]
+        with pytest.raises(MoepipeError, match=f"already running for this workdir .pid {pid}"):
+            run_deploy(cfg, echo=lambda s: None)
+        # The server dies hard (no supervisor to clean up): its stubs are orphaned.
+        for p in _left(cfg):
+            if p.kind != "stub":
+                os.kill(p.pid, signal.SIGKILL)
+        assert _wait(lambda: not processes.alive(pid), timeout=10)
+        assert [p for p in _left(cfg) if p.kind == "stub"], "no orphan to clean up"
+        proc = _cli("stop", cwd=cfg.workdir)
+        assert proc.returncode == 0, proc.stderr
+        assert "killed" in proc.stdout and "leftover" in proc.stdout
+        assert _left(cfg) == []
+    finally:
+        processes.kill_all(_left(cfg))
