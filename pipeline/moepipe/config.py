@@ -509,13 +509,11 @@ def _describe(err: dict[str, Any], model: type[BaseModel]) -> str:
     path = ".".join(str(p) for p in loc) or "(top level)"
     kind = err["type"]
     if kind == "extra_forbidden":
-        parent = model
+        parent: type[BaseModel] | None = model
         for part in loc[:-1]:
-            field = _keys(parent).get(str(part))
+            field = _keys(parent).get(str(part)) if parent is not None else None
             ann = field.annotation if field else None
             parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-            if parent is None:
-                break
         valid = f"; valid keys: {', '.join(_keys(parent))}" if parent else ""
         return f"{path}: unknown key{valid}"
     if kind == "literal_error":
@@ -543,7 +541,7 @@ def parse_config(data: Any, source: str = "<config>", text: str | None = None) -
             if line:
                 where = f"{source}:{line}"
         more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-        raise ConfigError(f"{where}: {_describe(first, MoepipeConfig)}{more}",
+        raise ConfigError(f"{where}: {_describe(dict(first), MoepipeConfig)}{more}",
                           "fix the value or run `moepipe init --force` for a fresh file") from None
 
 

@@ -290,7 +290,7 @@ class CheckpointReader:
 
         region = self.region(name, index)
         raw = torch.empty(region.nbytes, dtype=torch.uint8)
-        self.read_bytes(region.info.file, region.offset, memoryview(raw.numpy()))
+        self.read_bytes(region.info.file, region.offset, raw.numpy().data)
         block = raw.view(region.info.dtype.torch).reshape(region.block_shape)
         if region.cut is not None:
             block = block[region.cut]
@@ -371,8 +371,8 @@ class SafetensorsWriter:
         import torch
 
         _, dtype = self._current()
-        self.write_bytes(memoryview(chunk.to(dtype.torch).contiguous().reshape(-1)
-                                    .view(torch.uint8).numpy()))
+        self.write_bytes(chunk.to(dtype.torch).contiguous().reshape(-1)
+                         .view(torch.uint8).numpy().data)
 
     def write_zeros(self, nbytes: int) -> None:
         self.write_bytes(memoryview(bytes(nbytes)))
@@ -414,7 +414,7 @@ def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         for name, info in infos.items():
             raw = torch.empty(info.nbytes, dtype=torch.uint8)
             if info.nbytes:
-                _pread_into(fd, memoryview(raw.numpy()), info.offset, path)
+                _pread_into(fd, raw.numpy().data, info.offset, path)
             out[name] = raw.view(info.dtype.torch).reshape(info.shape)
     finally:
         os.close(fd)
@@ -437,6 +437,7 @@ def convert_bytes(data: memoryview, src: DType, dst: DType) -> memoryview:
         x = (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
         raise ValueError(f"cannot convert {src.name} to {dst.name}")
+    out: np.ndarray
     if dst == F32:
         out = x
     elif dst == F16:
@@ -451,7 +452,7 @@ def convert_bytes(data: memoryview, src: DType, dst: DType) -> memoryview:
         out = rounded
     else:
         raise ValueError(f"cannot convert {src.name} to {dst.name}")
-    return memoryview(np.ascontiguousarray(out)).cast("B")
+    return np.ascontiguousarray(out).data.cast("B")
 
 
 def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:

@@ -265,7 +265,7 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
         if entry.stage.check is not None:
             entry.stage.check(cfg, ctx.details[name])
     for rec in records:  # digests last: a build that only reuses stages hashes nothing new
-        rec["sha256"] = recorded_digests(Path(rec["output"]))
+        rec["sha256"] = recorded_digests(Path(str(rec["output"])))
     return _write_manifest(cfg, records, started, finished=True)
 
 
@@ -288,7 +288,8 @@ def print_plan(cfg: MoepipeConfig, force: tuple[str, ...], echo: Echo,
     """``--dry-run``: stages to run or reuse, their commands and memory estimates."""
     entries = plan(cfg, force, until)
     ctx = BuildContext(cfg, echo)
-    out = {"target": cfg.target, "stages": []}
+    stages: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"target": cfg.target, "stages": stages}
     echo(f"build plan for target {cfg.target} (workdir {cfg.workdir}):")
     for e in entries:
         ctx.add(e.stage, e.output)
@@ -298,7 +299,7 @@ def print_plan(cfg: MoepipeConfig, force: tuple[str, ...], echo: Echo,
             if isinstance(value, list):
                 value = " ".join(shlex.quote(str(v)) for v in value)
             echo(f"      {key}: {value}")
-        out["stages"].append({"stage": e.stage.name, "action": e.action,
+        stages.append({"stage": e.stage.name, "action": e.action,
                               "fingerprint": e.fingerprint, "output": str(e.output), **info})
     return out
 

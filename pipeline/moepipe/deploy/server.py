@@ -139,8 +139,8 @@ def failure_reason(log: Path) -> str | None:
                    "error: creating server", "failed to start"):
         for line in text:
             if needle in line:
-                text = line.split('] "', 1)[-1].split("\\n")[0]
-                return text.strip().rstrip('"').strip()
+                reason = line.split('] "', 1)[-1].split("\\n")[0]
+                return reason.strip().rstrip('"').strip()
     return None
 
 

@@ -29,15 +29,17 @@ class UnfusedExperts(nn.ModuleList):
     top_k_weights)``."""
 
     def __init__(self, fused: nn.Module, names: tuple[str, str, str]):
-        num, two_inter, hidden = fused.gate_up_proj.shape
+        gate_up: torch.Tensor = fused.gate_up_proj  # type: ignore[assignment]
+        down: torch.Tensor = fused.down_proj  # type: ignore[assignment]
+        num, two_inter, hidden = gate_up.shape
         inter = two_inter // 2
         super().__init__([_Expert(names, hidden, inter, fused.act_fn) for _ in range(num)])
         self.num_experts = num
         with torch.no_grad():  # fused gate_up_proj: gate rows first, then up
-            for e, expert in enumerate(self):
-                getattr(expert, names[0]).weight.copy_(fused.gate_up_proj[e, :inter])
-                getattr(expert, names[1]).weight.copy_(fused.gate_up_proj[e, inter:])
-                getattr(expert, names[2]).weight.copy_(fused.down_proj[e])
+            for e, expert in enumerate(list(self.children())):
+                getattr(expert, names[0]).weight.copy_(gate_up[e, :inter])
+                getattr(expert, names[1]).weight.copy_(gate_up[e, inter:])
+                getattr(expert, names[2]).weight.copy_(down[e])
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)

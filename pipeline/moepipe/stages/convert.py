@@ -334,10 +334,10 @@ def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointRead
         import numpy as np
 
         raw = np.empty(region.nbytes, dtype=np.uint8)
-        reader.read_bytes(region.info.file, region.offset, memoryview(raw))
+        reader.read_bytes(region.info.file, region.offset, raw.data)
         unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[src.itemsize]
         block = raw.view(unit).reshape(region.block_shape)[region.cut]
-        data = memoryview(np.ascontiguousarray(block)).cast("B")
+        data = np.ascontiguousarray(block).data.cast("B")
         writer.write_bytes(convert_bytes(data, src, dtype))
         return
     step = BLOCK_BYTES - BLOCK_BYTES % src.itemsize

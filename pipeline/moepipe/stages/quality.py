@@ -112,7 +112,10 @@ def check_quality(cfg: MoepipeConfig, measured: dict[str, Any]) -> None:
 
 # -- the stage ---------------------------------------------------------------------------------
 def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
-    result = measure_quality(ctx.source_dir, ctx.model_dir, ctx.outputs.get("convert"),
+    source = ctx.source_dir
+    if source is None:
+        raise KeyError("the quality stage needs the source stage's output")
+    result = measure_quality(source, ctx.model_dir, ctx.outputs.get("convert"),
                              ctx.cfg.model.trust_remote_code, step=ctx.step)
     (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
     ctx.echo(f"  quality: top-1 agreement {result['top1_agreement']:.4f}, logit cosine "

@@ -22,7 +22,7 @@ import contextlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from moepipe.config import GPU_ONLY_FORMATS, MoepipeConfig
 from moepipe.errors import ConfigError, EnvironmentMissing, MoepipeError, UnsupportedError
@@ -126,8 +126,11 @@ def _tool_output(log_path: Path | None):
     with open(log_path, "w") as f, contextlib.redirect_stdout(f), \
             warnings.catch_warnings():
         warnings.simplefilter("always")
-        warnings.showwarning = lambda msg, cat, fn, ln, file=None, line=None: f.write(
-            warnings.formatwarning(msg, cat, fn, ln, line))
+        def _to_log(message: Warning | str, category: type[Warning], filename: str,
+                    lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+            f.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+        warnings.showwarning = _to_log
         handler = logging.StreamHandler(f)
         hf_logger = logging.getLogger("transformers")
         saved = hf_logger.handlers[:], hf_logger.propagate

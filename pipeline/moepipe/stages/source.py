@@ -22,10 +22,13 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
     from moepipe.examples.trained import TRAINING_FILE
     from moepipe.utils.fs import read_json
 
+    example = ctx.cfg.model.example
+    if example is None:  # a user's folder is used in place; this stage never runs for it
+        raise MoepipeError("the source stage writes built-in examples only")
     out.rmdir()  # write_example creates the folder itself (atomically)
     # A trained example is trained once per machine (its steps are the progress), then copied.
-    write_example(ctx.cfg.model.example, out, progress=ctx.step)
-    details: dict[str, Any] = {"example": ctx.cfg.model.example}
+    write_example(example, out, progress=ctx.step)
+    details: dict[str, Any] = {"example": example}
     if (out / TRAINING_FILE).is_file():
         training = read_json(out / TRAINING_FILE, "the example's training record")
         details["training"] = {k: training[k] for k in ("steps", "tokens", "loss_last",

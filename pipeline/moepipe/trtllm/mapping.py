@@ -50,8 +50,8 @@ class Mapping:
                 raise MappingError(f"moe_tp={moe_tp} does not divide tp={tp}",
                                    "moe_tp * moe_ep must equal tp")
             moe_ep = tp // moe_tp
-        if moe_tp * moe_ep != tp:
-            raise MappingError(f"moe_tp={moe_tp} x moe_ep={moe_ep} = {moe_tp * moe_ep} != tp={tp}",
+        if moe_tp is None or moe_ep is None or moe_tp * moe_ep != tp:
+            raise MappingError(f"moe_tp={moe_tp} x moe_ep={moe_ep} != tp={tp}",
                                "expert parallelism splits the tensor-parallel group: "
                                "moe_tp * moe_ep must equal tp")
         return cls(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep)
