@@ -16,6 +16,7 @@ from moepipe.checkpoints.st_io import sha256_file
 from moepipe.utils.fs import cache_root, write_text_atomic
 
 _lock = threading.Lock()
+_SIG = "stat:"  # keys of entries found by stat signature alone (see remember)
 
 
 def cache_file() -> Path:
@@ -36,22 +37,39 @@ def _load(path: Path) -> dict[str, dict[str, str]]:
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of ``path`` (hex), from the cache when the file is unchanged."""
+    """sha256 of ``path`` (hex), from the cache when the file is unchanged (found under its
+    path, or by its stat signature when :func:`remember` recorded it under another path)."""
     path = Path(path).resolve()
     cache = cache_file()
     key, sig = str(path), _signature(path)
-    entry = _load(cache).get(key)
+    data = _load(cache)
+    entry = data.get(key) or data.get(_SIG + sig)
     if entry and entry.get("stat") == sig:
         return entry["sha256"]
     digest = sha256_file(path)
     if _signature(path) != sig:  # changed while hashing: do not remember
         return digest
+    _store({key: {"stat": sig, "sha256": digest}})
+    return digest
+
+
+def remember(path: Path, digest: str) -> None:
+    """Record the sha256 of a file just written by a writer that hashed its bytes as they
+    passed, so that nothing reads it again to hash it. Kept under its stat signature too: the
+    build renames finished outputs into place, which keeps device, inode, size and mtime."""
+    path = Path(path).resolve()
+    sig = _signature(path)
+    entry = {"stat": sig, "sha256": digest}
+    _store({str(path): entry, _SIG + sig: entry})
+
+
+def _store(entries: dict[str, dict[str, str]]) -> None:
+    cache = cache_file()
     with _lock:
         data = _load(cache)
-        data[key] = {"stat": sig, "sha256": digest}
+        data.update(entries)
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(cache, json.dumps(data))
         except OSError:
             pass  # a read-only home only costs time
-    return digest

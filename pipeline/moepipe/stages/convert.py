@@ -25,6 +25,7 @@ from moepipe.arch.family import Family
 from moepipe.arch.hf import HFCheckpoint, open_hf_checkpoint
 from moepipe.arch.rules import ExpertsDown, ExpertsGatedPair, RankContext, Rule, SliceRef, Zeros
 from moepipe.arch.spec import ModelSpec
+from moepipe.checkpoints.hashcache import remember
 from moepipe.checkpoints.modelopt import QuantInfo
 from moepipe.checkpoints.st_io import (
     BF16,
@@ -273,6 +274,7 @@ def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: s
         files["config.json"] = sha256_file(folder / "config.json")
         for rank, digest in enumerate(digests):
             files[f"rank{rank}.safetensors"] = digest
+            remember(folder / f"rank{rank}.safetensors", digest)  # the build needs no re-read
         hasher.join()
         manifest = {
             "kind": "trtllm-checkpoint",
