@@ -222,6 +222,56 @@ class TrtllmDeploySection(Section):
                           "and moe_backend WIDEEP).")
 
 
+class K8sSection(Section):
+    """Kubernetes objects written to <deploy>/k8s (see moepipe.deploy.k8s)."""
+
+    name: str = Field("moepipe", description="Name (and app label) of the Kubernetes objects.")
+    namespace: str | None = Field(None, description="Namespace kustomize sets (unset: the "
+                                                    "namespace kubectl applies to).")
+    image: str | None = Field(None, description="Container image (unset: GPU targets use the "
+                                                "Triton image of docker/versions.env; cpu "
+                                                "uses moepipe-trtllm:<version>, built by "
+                                                "docker/Dockerfile on that image).")
+    volume_claim: str = Field("moepipe-work", description="PersistentVolumeClaim holding the "
+                                                          "workdir; mounted at the workdir's "
+                                                          "path.")
+    gpus_per_node: int = Field(8, ge=1, description="GPUs per node; a larger world size "
+                                                    "becomes a multi-node LeaderWorkerSet.")
+    cpus: float = Field(4, gt=0, description="CPU cores requested per pod.")
+    memory_gib: float | None = Field(None, gt=0, description="Memory per pod (unset: "
+                                                              "estimated from the served "
+                                                              "weights and KV cache).")
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(4, ge=1)
+    autoscale_metric: Literal["pending_requests", "queue_compute_ratio"] = Field(
+        "pending_requests", description="HPA metric per pod (prometheus-adapter): Triton's "
+                                        "queued requests, or queue time / compute time.")
+    autoscale_target: float = Field(4, gt=0, description="Average value per pod the "
+                                                         "autoscaler keeps the metric at.")
+
+    @model_validator(mode="after")
+    def _replicas(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas "
+                             f"({self.min_replicas})")
+        return self
+
+
+class MonitoringSection(Section):
+    """Prometheus scrape config, alert rules and Grafana dashboard in <deploy>/monitoring."""
+
+    scrape_interval_s: int = Field(15, ge=1)
+    evaluation_interval_s: int = Field(15, ge=1)
+    rate_window_s: int = Field(300, ge=1, description="Window of the rates the rules read.")
+    alert_for_s: int = Field(600, ge=0, description="How long a condition holds before its "
+                                                    "alert fires.")
+    slo_p99_ms: float = Field(5000, gt=0, description="p99 request latency objective.")
+    max_error_ratio: float = Field(0.01, ge=0, le=1)
+    max_queue_ms: float = Field(1000, gt=0, description="Mean queue time per request.")
+    max_expert_imbalance: float = Field(1.0, gt=0, description="std/mean of the tokens per "
+                                                               "expert of a layer (0 = even).")
+
+
 class DeploySection(Section):
     output: Path | None = Field(None, description="Deployment folder (default <workdir>/deploy):"
                                                   " model_repo/, tokenizer/, launch files.")
@@ -253,6 +303,12 @@ class DeploySection(Section):
                                                         "else the one in nvidia-pytriton).")
     trtllm: TrtllmDeploySection = Field(default_factory=TrtllmDeploySection,
                                         description="GPU targets' TensorRT-LLM serving knobs.")
+    k8s: K8sSection = Field(default_factory=K8sSection,
+                            description="Kubernetes objects written to <deploy>/k8s.")
+    monitoring: MonitoringSection = Field(default_factory=MonitoringSection,
+                                          description="Prometheus rules, scrape config and "
+                                                      "Grafana dashboard in "
+                                                      "<deploy>/monitoring.")
 
     @model_validator(mode="after")
     def _distinct_ports(self):

@@ -14,6 +14,7 @@ from pathlib import Path
 from moepipe import __version__
 from moepipe.arch.hf import tokenizer_files
 from moepipe.config import MoepipeConfig
+from moepipe.deploy.operate import render_operations
 from moepipe.deploy.render import check_repository, render_tree, templates_root
 from moepipe.deploy.targets import TARGETS, Artifacts
 from moepipe.deploy.targets.base import LOGITS_DATATYPES, flag
@@ -71,6 +72,7 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
                    "tensorrt_llm_bls"} - configs.keys()
         if missing:
             raise MoepipeError(f"rendered repository lacks {', '.join(sorted(missing))}")
+        render_operations(cfg, art, tmp)
         (tmp / MANIFEST).write_text(json.dumps(
             {"target": target, "moepipe": __version__, "values": values,
              "models": sorted(configs)}, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,134 @@
+"""The Grafana dashboard of a deployment (``monitoring/grafana-dashboard.json``).
+
+Classic dashboard JSON (Grafana "JSON model": uid, title, panels with gridPos, datasource,
+targets[{refId, expr, legendFormat}]), Prometheus datasource chosen by the ``datasource``
+variable. A panel is included only when its target exports every metric its queries read
+(:mod:`moepipe.deploy.metric_names`), so no panel of a rendered dashboard stays empty for lack
+of a metric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moepipe.deploy.metric_names import EXPORTED, metrics_in
+
+# `$datasource`, not `${datasource}`: nothing that moepipe renders may keep a `${`.
+DS = {"type": "prometheus", "uid": "$datasource"}
+RI = "[$__rate_interval]"
+SEL = '{model=~"$model"}'
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    kind: str  # timeseries | heatmap | stat
+    queries: tuple[tuple[str, str], ...]  # (expr, legend)
+    unit: str = "short"
+    width: int = 12
+    description: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    repeat: str | None = None
+
+
+def _rate(metric: str, by: str = "model") -> str:
+    return f"sum by ({by}) (rate({metric}{SEL}{RI}))"
+
+
+EXPERT_RATE = f"sum by (layer, expert) (rate(moepipe_expert_tokens_total{{layer=~\"$layer\"}}{RI}))"
+PANELS = (
+    Panel("Request rate", "timeseries",
+          ((_rate("nv_inference_request_success"), "{{model}} ok"),
+           (_rate("nv_inference_request_failure"), "{{model}} failed")), "reqps"),
+    Panel("Latency percentiles", "timeseries",
+          (('max by (model, quantile) (nv_inference_request_summary_us{model=~"$model",'
+            'quantile=~"0.5|0.9|0.99"}) / 1000', "{{model}} p{{quantile}}"),), "ms",
+          description="Triton's request-latency summary (sliding window); for decoupled "
+                      "models it covers the whole generation."),
+    Panel("Time to first token (p50 / p99)", "timeseries",
+          tuple((f"histogram_quantile({q}, sum by (le, model) "
+                 f"(rate(nv_inference_first_response_histogram_ms_bucket{SEL}{RI})))",
+                 f"{{{{model}}}} p{int(q * 100)}") for q in (0.5, 0.99)), "ms"),
+    Panel("First-response latency histogram", "heatmap",
+          ((f"sum by (le) (rate(nv_inference_first_response_histogram_ms_bucket{SEL}{RI}))",
+            "{{le}}"),), "ms", options={"calculate": False, "yAxis": {"unit": "ms"}}),
+    Panel("Queue time per request", "timeseries",
+          ((f"{_rate('nv_inference_queue_duration_us')} / 1000 / clamp_min("
+            f"{_rate('nv_inference_request_success')}, 1e-9)", "{{model}}"),), "ms"),
+    Panel("Pending requests", "timeseries",
+          ((f"sum by (model) (nv_inference_pending_request_count{SEL})", "{{model}}"),)),
+    Panel("Batch slots (requests)", "timeseries",
+          (('max by (model, request_type) (nv_trt_llm_request_metrics{model=~"$model",'
+            'request_type=~"active|max|waiting"})', "{{request_type}}"),)),
+    Panel("KV cache used", "timeseries",
+          (('max by (model) (nv_trt_llm_kv_cache_block_metrics{model=~"$model",'
+            'kv_cache_block_type="fraction"})', "{{model}}"),), "percentunit"),
+    Panel("Running requests (cpu engine)", "timeseries",
+          ((f"sum by (model) (moepipe_running_requests{SEL})", "{{model}}"),)),
+    Panel("Generated tokens / s", "timeseries",
+          ((_rate("moepipe_generated_tokens_total"), "{{model}}"),), "short"),
+    Panel("Expert activation, layer $layer (tokens / s per expert)", "heatmap",
+          ((f"sum by (expert) (rate(moepipe_expert_tokens_total{{layer=~\"$layer\"}}{RI}))",
+            "{{expert}}"),), "short", width=12, repeat="layer",
+          options={"calculate": False, "yAxis": {"axisLabel": "expert"}}),
+    Panel("Expert balance per layer (std / mean of tokens per expert)", "timeseries",
+          ((f"stddev by (layer) ({EXPERT_RATE}) / (avg by (layer) ({EXPERT_RATE}) > 0)",
+            "layer {{layer}}"),), "short",
+          description="0 = every expert gets the same share; the MoepipeExpertImbalance "
+                      "alert fires above monitoring.max_expert_imbalance."),
+)
+
+
+def panels_for(target: str) -> list[Panel]:
+    exported = EXPORTED[target]
+    return [p for p in PANELS
+            if all(metrics_in(expr) <= exported for expr, _ in p.queries)]
+
+
+def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": pid, "type": p.kind, "title": p.title, "datasource": DS,
+        "gridPos": {"h": 8, "w": p.width, "x": x, "y": y},
+        "targets": [{"refId": chr(ord("A") + i), "datasource": DS, "expr": expr,
+                     "legendFormat": legend,
+                     "format": "heatmap" if p.kind == "heatmap" and "le" in legend
+                     else "time_series"}
+                    for i, (expr, legend) in enumerate(p.queries)],
+        "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
+        "options": dict(p.options),
+    }
+    if p.description:
+        out["description"] = p.description
+    if p.repeat:
+        out["repeat"] = p.repeat
+        out["repeatDirection"] = "h"
+    return out
+
+
+def _variable(name: str, query: str, multi: bool = True) -> dict[str, Any]:
+    return {"type": "query", "name": name, "label": name, "datasource": DS,
+            "query": {"query": query, "refId": name}, "definition": query, "refresh": 2,
+            "includeAll": True, "multi": multi, "current": {}, "sort": 3}
+
+
+def dashboard(target: str, title: str, uid: str) -> dict[str, Any]:
+    chosen = panels_for(target)
+    panels, x, y = [], 0, 0
+    for i, p in enumerate(chosen, start=1):
+        if x + p.width > 24:
+            x, y = 0, y + 8
+        panels.append(_panel_json(p, i, x, y))
+        x += p.width
+    variables = [{"type": "datasource", "name": "datasource", "label": "Prometheus",
+                  "query": "prometheus", "current": {}},
+                 _variable("model", "label_values(nv_inference_request_success, model)")]
+    if any("$layer" in e for p in chosen for e, _ in p.queries):
+        variables.append(_variable("layer",
+                                   "label_values(moepipe_expert_tokens_total, layer)"))
+    return {
+        "id": None, "uid": uid, "title": title, "tags": ["moepipe", "triton", target],
+        "timezone": "browser", "editable": True, "schemaVersion": 39, "version": 1,
+        "refresh": "10s", "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": variables}, "annotations": {"list": []}, "panels": panels,
+    }

@@ -1,0 +1,447 @@
+"""Kubernetes objects for a rendered deployment: ``<deploy>/k8s/`` as a kustomize folder.
+
+One node (world size <= ``deploy.k8s.gpus_per_node``, and the cpu target always): a Deployment and
+a Service. More nodes (trtllm-engine only: its MPI ranks span nodes): a LeaderWorkerSet whose
+groups are one leader + ``nodes - 1`` workers, a headless Service for the group's DNS names, a
+ClusterIP Service on the leaders, and the RBAC + ``kubessh`` agent through which the leader's
+``mpirun`` starts the ranks of the workers (the pattern of LWS's TensorRT-LLM example,
+kubernetes-sigs/lws docs/examples/tensorrt-llm). Both shapes get probes on Triton's
+``/v2/health/{live,ready}``, ``/dev/shm`` as a memory emptyDir, ``nvidia.com/gpu`` requests on
+GPU targets, a non-root security context, a HorizontalPodAutoscaler on a custom metric (served
+by prometheus-adapter, whose rule ``monitoring/prometheus-adapter.yaml`` holds) and a
+PodDisruptionBudget.
+
+The pods read the deployment through its absolute paths (config.pbtxt names the engine, the
+checkpoint and the tokenizer by path), so the PersistentVolumeClaim ``deploy.k8s.volume_claim``
+must hold the workdir and is mounted at the workdir's own path.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moepipe.errors import ConfigError
+
+# Labels every object carries; the selector uses the first two.
+APP_LABEL = "app.kubernetes.io/name"
+PART_LABEL = "app.kubernetes.io/part-of"
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+# Triton's ports, by name: the Service, probes and scrape configs refer to these names.
+PORT_NAMES = ("http", "grpc", "metrics")
+UID = 1000  # the Dockerfile's user (NVIDIA's triton-server user in the NGC images)
+# Python-backend shared memory per Python model instance (its region starts at 1 MiB and grows
+# in 1 MiB steps with the tensors in flight; python_backend README "Managing Shared Memory").
+SHM_PER_PYTHON_INSTANCE_MIB = 64
+SHM_MIN_MIB = 1024
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How the world size lands on nodes."""
+
+    world_size: int
+    nodes: int
+    gpus_per_pod: int  # 0 on the cpu target
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
+
+
+def shape(target: str, world_size: int, gpus_per_node: int) -> Shape:
+    """Nodes and GPUs per pod; multi-node only for trtllm-engine with whole nodes."""
+    if target == "cpu":
+        return Shape(world_size, 1, 0)
+    if world_size <= gpus_per_node:
+        return Shape(world_size, 1, world_size)
+    if target != "trtllm-engine":
+        raise ConfigError(f"world size {world_size} needs more than one node of "
+                          f"{gpus_per_node} GPUs, which only the trtllm-engine target spans",
+                          "use target: trtllm-engine, or raise deploy.k8s.gpus_per_node")
+    if world_size % gpus_per_node:
+        raise ConfigError(f"world size {world_size} is not a multiple of "
+                          f"deploy.k8s.gpus_per_node ({gpus_per_node})",
+                          "every node runs the same number of ranks: choose tp x pp as a "
+                          "multiple of the GPUs per node")
+    return Shape(world_size, world_size // gpus_per_node, gpus_per_node)
+
+
+def check_name(name: str, what: str) -> str:
+    if len(name) > 40 or not _DNS1123.match(name):
+        raise ConfigError(f"{what} {name!r} is not a Kubernetes name",
+                          "lower-case letters, digits and '-', at most 40 characters")
+    return name
+
+
+def shm_mib(python_instances: int) -> int:
+    return max(SHM_MIN_MIB, SHM_PER_PYTHON_INSTANCE_MIB * python_instances)
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    """Everything a pod template needs, computed once from the config."""
+
+    name: str
+    image: str
+    target: str
+    workdir: Path
+    repo: Path
+    ports: dict[str, int]
+    gpus: int
+    cpu: str
+    memory_mib: int
+    shm_mib: int
+    volume_claim: str
+    startup_s: int
+    exit_timeout_s: int
+
+
+def _gib(mib: int) -> str:
+    return f"{mib}Mi"
+
+
+def server_args(plan: PodPlan) -> list[str]:
+    """tritonserver's flags in a pod: bound to all of the pod's addresses (the kubelet probes
+    the pod IP and the Service forwards to it; the pod network is the boundary)."""
+    p = plan.ports
+    return [f"--model-repository={plan.repo}", "--disable-auto-complete-config",
+            "--http-address=0.0.0.0", f"--http-port={p['http']}",
+            "--grpc-address=0.0.0.0", f"--grpc-port={p['grpc']}",
+            "--metrics-address=0.0.0.0", f"--metrics-port={p['metrics']}",
+            "--metrics-config=summary_latencies=true",
+            f"--exit-timeout-secs={plan.exit_timeout_s}"]
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": 5}
+
+
+def container(plan: PodPlan, name: str, command: list[str], *, serving: bool) -> dict[str, Any]:
+    """The Triton container; ``serving`` containers get ports and probes (LWS workers don't:
+    their ranks open no ports)."""
+    limits: dict[str, Any] = {"memory": _gib(plan.memory_mib)}
+    requests: dict[str, Any] = {"cpu": plan.cpu, "memory": _gib(plan.memory_mib)}
+    if plan.gpus:
+        limits["nvidia.com/gpu"] = plan.gpus
+        requests["nvidia.com/gpu"] = plan.gpus
+    c: dict[str, Any] = {
+        "name": name, "image": plan.image, "imagePullPolicy": "IfNotPresent",
+        "command": command,
+        "resources": {"limits": limits, "requests": requests},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
+                            "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "workdir", "mountPath": str(plan.workdir)}],
+    }
+    if serving:
+        c["ports"] = [{"name": n, "containerPort": plan.ports[n], "protocol": "TCP"}
+                      for n in PORT_NAMES]
+        # startup: up to startup_s for the models to load; then liveness restarts a hung
+        # server and readiness takes a pod out of the Service while it cannot serve.
+        c["startupProbe"] = _probe("/v2/health/ready", 10, max(1, math.ceil(plan.startup_s / 10)))
+        c["livenessProbe"] = _probe("/v2/health/live", 10, 3)
+        c["readinessProbe"] = _probe("/v2/health/ready", 5, 3)
+    return c
+
+
+def pod_spec(plan: PodPlan, containers: list[dict], service_account: str | None = None
+             ) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
+                            "fsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        # Triton drains in-flight requests for exit_timeout_s after SIGTERM.
+        "terminationGracePeriodSeconds": plan.exit_timeout_s + 15,
+        "containers": containers,
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                          "sizeLimit": _gib(plan.shm_mib)}},
+            {"name": "workdir", "persistentVolumeClaim": {"claimName": plan.volume_claim,
+                                                          "readOnly": True}},
+        ],
+    }
+    if plan.gpus:
+        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                "effect": "NoSchedule"}]
+    if service_account:
+        spec["serviceAccountName"] = service_account
+    return spec
+
+
+def dump_all(docs: list[dict[str, Any]]) -> str:
+    return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
+
+
+def labels(name: str, **extra: str) -> dict[str, str]:
+    return {APP_LABEL: name, PART_LABEL: "moepipe", **extra}
+
+
+def meta(name: str, app: str, **extra: str) -> dict[str, Any]:
+    return {"name": name, "labels": labels(app, **extra)}
+
+
+def deployment(plan: PodPlan, replicas: int) -> dict[str, Any]:
+    app = plan.name
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(app, app),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {APP_LABEL: app}},
+            # A new pod must be ready before an old one goes: capacity never drops.
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": labels(app, role="leader")},
+                "spec": pod_spec(plan, [container(plan, "triton",
+                                                  ["tritonserver", *server_args(plan)],
+                                                  serving=True)]),
+            },
+        },
+    }
+
+
+def service(plan: PodPlan, *, selector: dict[str, str], headless: bool = False,
+            name: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": selector,
+        "ports": [{"name": n, "port": plan.ports[n], "targetPort": n, "protocol": "TCP"}
+                  for n in PORT_NAMES],
+    }
+    if headless:
+        spec["clusterIP"] = "None"
+        spec["publishNotReadyAddresses"] = True  # ranks find each other before ready
+    else:
+        spec["type"] = "ClusterIP"
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": meta(name or plan.name, plan.name), "spec": spec}
+
+
+def hpa(plan: PodPlan, kind: str, api_version: str, min_replicas: int, max_replicas: int,
+        metric: str, target: str) -> dict[str, Any]:
+    """Scale on a per-pod custom metric that prometheus-adapter serves (custom.metrics.k8s.io).
+    For a LeaderWorkerSet, a replica is a whole group and the metric is read on its pods
+    (LWS's scale subresource publishes ``status.hpaPodSelector``: the leaders)."""
+    return {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": meta(plan.name, plan.name),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": api_version, "kind": kind, "name": plan.name},
+            "minReplicas": min_replicas, "maxReplicas": max_replicas,
+            "metrics": [{"type": "Pods", "pods": {
+                "metric": {"name": metric},
+                "target": {"type": "AverageValue", "averageValue": target}}}],
+            # A model takes minutes to load: scale up promptly, scale down slowly.
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600,
+                                       "policies": [{"type": "Pods", "value": 1,
+                                                     "periodSeconds": 300}]}},
+        },
+    }
+
+
+def pdb(plan: PodPlan, selector: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": meta(plan.name, plan.name),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}}}
+
+
+KUBESSH = """#!/bin/sh
+# mpirun's remote-shell agent inside a LeaderWorkerSet group: runs the command in the named
+# pod's triton container through the API server (`kubectl exec`), so no sshd is needed.
+# Usage (by mpirun): kubessh POD COMMAND...
+set -eu
+pod="$1"
+shift
+exec kubectl exec "$pod" -c triton -- /bin/sh -c "$*"
+"""
+
+LEADER = """#!/bin/sh
+# Leader of a moepipe LeaderWorkerSet group: waits until the group's worker pods run, then
+# starts the engine's __WORLD__ MPI ranks, __PER_NODE__ per pod, with mpirun over kubessh. Rank 0
+# (this pod) serves HTTP, gRPC and metrics; the other ranks only load tensorrt_llm.
+set -eu
+SIZE="${LWS_GROUP_SIZE:?LWS_GROUP_SIZE unset: run by a LeaderWorkerSet}"
+ME="${POD_NAME:?POD_NAME unset}"
+hosts="$ME:__PER_NODE__"
+i=1
+while [ "$i" -lt "$SIZE" ]; do
+    worker="$ME-$i"  # LWS names workers <leader pod>-<worker index>
+    waited=0
+    until [ "$(kubectl get pod "$worker" -o 'jsonpath={.status.phase}' 2>/dev/null)" = Running ]; do
+        waited=$((waited + 5))
+        if [ "$waited" -gt __WAIT_S__ ]; then
+            echo "error: worker pod $worker is not running after __WAIT_S__ s" >&2
+            exit 1
+        fi
+        sleep 5
+    done
+    hosts="$hosts,$worker:__PER_NODE__"
+    i=$((i + 1))
+done
+set --
+rank=0
+while [ "$rank" -lt __WORLD__ ]; do
+    [ "$rank" -eq 0 ] || set -- "$@" :
+    set -- "$@" -n 1 tritonserver __ARGS__ \\
+        --backend-config=python,shm-region-prefix-name=prefix"$rank"_
+    [ "$rank" -eq 0 ] || set -- "$@" --model-control-mode=explicit --load-model=tensorrt_llm \\
+        --allow-http=false --allow-grpc=false --allow-metrics=false
+    rank=$((rank + 1))
+done
+echo "leader: __WORLD__ ranks on $hosts" >&2
+exec mpirun --allow-run-as-root -mca plm_rsh_agent /opt/moepipe/kubessh \\
+    --host "$hosts" -np __WORLD__ "$@"
+"""
+
+
+def leader_script(plan: PodPlan, shape_: Shape) -> str:
+    args = " ".join(server_args(plan))
+    return (LEADER.replace("__WORLD__", str(shape_.world_size))
+            .replace("__PER_NODE__", str(shape_.gpus_per_pod))
+            .replace("__WAIT_S__", str(plan.startup_s)).replace("__ARGS__", args))
+
+
+def rbac(name: str) -> list[dict[str, Any]]:
+    """The leader looks up its workers and execs into them (mpirun's kubessh agent)."""
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(name, name)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": meta(name, name),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                   {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": meta(name, name),
+         "subjects": [{"kind": "ServiceAccount", "name": name}],
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}},
+    ]
+
+
+def leader_worker_set(plan: PodPlan, shape_: Shape, replicas: int) -> dict[str, Any]:
+    app = plan.name
+    scripts = {"name": "scripts", "configMap": {"name": f"{app}-launch", "defaultMode": 0o555}}
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+
+    def template(role: str, command: list[str], serving: bool) -> dict[str, Any]:
+        c = container(plan, "triton", command, serving=serving)
+        c["env"] = env
+        c["volumeMounts"].append({"name": "scripts", "mountPath": "/opt/moepipe"})
+        spec = pod_spec(plan, [c], service_account=app)
+        spec["volumes"].append(scripts)
+        return {"metadata": {"labels": labels(app, role=role)}, "spec": spec}
+
+    return {
+        "apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": meta(app, app),
+        "spec": {
+            "replicas": replicas,
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {"type": "RollingUpdate",
+                                "rollingUpdateConfiguration": {"maxUnavailable": 0,
+                                                               "maxSurge": 1}},
+            "leaderWorkerTemplate": {
+                "size": shape_.nodes,
+                # A rank that dies takes the MPI job with it: restart the whole group.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": template("leader", ["/bin/sh", "/opt/moepipe/leader.sh"],
+                                           True),
+                # Workers wait; the leader's mpirun starts their ranks in them.
+                "workerTemplate": template("worker", ["/bin/sh", "-c",
+                                                      "exec sleep infinity"], False),
+            },
+        },
+    }
+
+
+def launch_config_map(plan: PodPlan, shape_: Shape) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": meta(f"{plan.name}-launch", plan.name),
+            "data": {"leader.sh": leader_script(plan, shape_), "kubessh": KUBESSH}}
+
+
+def objects(plan: PodPlan, shape_: Shape, *, min_replicas: int, max_replicas: int,
+            metric: str, target: str) -> dict[str, list[dict[str, Any]]]:
+    """file name -> the objects it holds."""
+    app = plan.name
+    leaders = {APP_LABEL: app, "role": "leader"}
+    if not shape_.multi_node:
+        return {
+            "deployment.yaml": [deployment(plan, min_replicas)],
+            "service.yaml": [service(plan, selector=leaders)],
+            "hpa.yaml": [hpa(plan, "Deployment", "apps/v1", min_replicas, max_replicas,
+                             metric, target)],
+            "pdb.yaml": [pdb(plan, {APP_LABEL: app})],
+        }
+    return {
+        "leaderworkerset.yaml": [leader_worker_set(plan, shape_, min_replicas)],
+        "launch-configmap.yaml": [launch_config_map(plan, shape_)],
+        "rbac.yaml": rbac(app),
+        # The leaders serve; the headless Service gives every pod of a group a DNS name.
+        "service.yaml": [service(plan, selector=leaders),
+                         service(plan, selector={APP_LABEL: app}, headless=True,
+                                 name=f"{app}-group")],
+        "hpa.yaml": [hpa(plan, "LeaderWorkerSet", LWS_API, min_replicas, max_replicas,
+                         metric, target)],
+        # Evicting any pod of a group restarts the group: at most one pod at a time.
+        "pdb.yaml": [pdb(plan, {APP_LABEL: app})],
+    }
+
+
+def kustomization(files: list[str], namespace: str | None, image: str) -> dict[str, Any]:
+    name, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "")
+    k: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1",
+                         "kind": "Kustomization", "resources": files}
+    if namespace:
+        k["namespace"] = namespace
+    # `kustomize edit set image` / an overlay changes the image here, in one place.
+    img: dict[str, str] = {"name": name}
+    if tag:
+        img["newTag"] = tag
+    k["images"] = [img]
+    return k
+
+
+def write(out: Path, plan: PodPlan, shape_: Shape, *, namespace: str | None,
+          min_replicas: int, max_replicas: int, metric: str, target: str) -> list[Path]:
+    """Write the kustomize folder ``out`` (which must exist and be empty)."""
+    files = objects(plan, shape_, min_replicas=min_replicas, max_replicas=max_replicas,
+                    metric=metric, target=target)
+    written = []
+    for fname, docs in files.items():
+        (out / fname).write_text(dump_all(docs))
+        written.append(out / fname)
+    (out / "kustomization.yaml").write_text(
+        yaml.safe_dump(kustomization(sorted(files), namespace, plan.image), sort_keys=False))
+    return [*written, out / "kustomization.yaml"]
+
+
+def write_operator(out: Path, plan: PodPlan, rules: dict[str, Any], job: str) -> list[Path]:
+    """``k8s/prometheus-operator``: a PodMonitor on the pods' ``metrics`` port (job label
+    ``job``, so the rules' ``up{job=...}`` matches) and the rules as a PrometheusRule."""
+    app = plan.name
+    docs = {
+        "podmonitor.yaml": {
+            "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+            "metadata": meta(app, app),
+            "spec": {"selector": {"matchLabels": {APP_LABEL: app, "role": "leader"}},
+                     "jobLabel": APP_LABEL,
+                     "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics",
+                                              "relabelings": [{"targetLabel": "job",
+                                                               "replacement": job}]}]}},
+        "prometheusrule.yaml": {
+            "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": meta(app, app), "spec": rules},
+    }
+    written = []
+    for fname, doc in docs.items():
+        (out / fname).write_text(dump_all([doc]))
+        written.append(out / fname)
+    (out / "kustomization.yaml").write_text(yaml.safe_dump(
+        {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+         "resources": sorted(docs)}, sort_keys=False))
+    return [*written, out / "kustomization.yaml"]

@@ -1,0 +1,90 @@
+"""The metric names each target's deployment exports, and the names a PromQL query reads.
+
+Dashboards and alerts may only read what the deployment exports; these catalogs are the
+contract, checked against upstream (the TensorRT-LLM names) and against a live cpu server.
+
+Sources: Triton server ``docs/user_guide/metrics.md`` and core ``src/metric_model_reporter.cc``
+(``nv_inference_*``, counters without ``_total``; ``*_summary_us`` with
+``--metrics-config summary_latencies=true``; ``nv_inference_first_response_histogram_ms`` with
+``histogram_latencies=true``, Triton >= 24.x, not in the 2.51 server of nvidia-pytriton);
+TensorRT-LLM ``triton_backend/inflight_batcher_llm/src/custom_metrics_reporter/
+custom_metrics_reporter.cc`` (``nv_trt_llm_*``, ``nv_llm_*_token_len``).
+"""
+
+from __future__ import annotations
+
+import re
+
+
+def _summary(name: str) -> set[str]:
+    return {name, f"{name}_sum", f"{name}_count"}
+
+
+def _histogram(name: str) -> set[str]:
+    return {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+
+
+TRITON_CORE = {
+    "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
+    "nv_inference_exec_count", "nv_inference_pending_request_count",
+    "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+    "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
+    "nv_inference_compute_output_duration_us",
+    *_summary("nv_inference_request_summary_us"), *_summary("nv_inference_queue_summary_us"),
+    *_summary("nv_inference_compute_input_summary_us"),
+    *_summary("nv_inference_compute_infer_summary_us"),
+    *_summary("nv_inference_compute_output_summary_us"),
+    "nv_cpu_utilization", "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes",
+    "up",  # Prometheus' own, per scrape target
+}
+TRITON_GPU = {"nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes",
+              "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption",
+              *_histogram("nv_inference_first_response_histogram_ms")}
+# TensorRT-LLM's C++ backend: family -> (category label, its values), from
+# custom_metrics_reporter.cc (InitializeReporter; *_labels_ vectors).
+TRTLLM_FAMILIES = {
+    "nv_trt_llm_request_metrics": ("request_type",
+                                   ("active", "max", "scheduled", "context", "waiting")),
+    "nv_trt_llm_runtime_memory_metrics": ("memory_type", ("cpu", "gpu", "pinned")),
+    "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type",
+                                          ("max", "free", "used", "tokens_per", "reused",
+                                           "fraction")),
+    "nv_trt_llm_disaggregated_serving_metrics": ("disaggregated_serving_type",
+                                                 ("kv_cache_transfer_ms", "request_count")),
+    "nv_trt_llm_inflight_batcher_metrics": ("inflight_batcher_specific_metric",
+                                            ("total_context_tokens", "generation_requests",
+                                             "micro_batch_id", "paused_requests")),
+    "nv_trt_llm_general_metrics": ("general_type", ("timestamp", "iteration_counter")),
+}
+TRTLLM_BACKEND = {*TRTLLM_FAMILIES, *_histogram("nv_llm_input_token_len"),
+                  *_histogram("nv_llm_output_token_len")}
+# The cpu target's own (model_repo/targets/cpu/.../tensorrt_llm/1/model.py) and the
+# TensorRT-LLM families it also exports, with the same labels.
+MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
+               "moepipe_running_requests"}
+CPU_TRTLLM_FAMILIES = ("nv_trt_llm_request_metrics", "nv_trt_llm_kv_cache_block_metrics")
+
+EXPORTED = {
+    "cpu": TRITON_CORE | MOEPIPE_CPU,
+    "trtllm-engine": TRITON_CORE | TRITON_GPU | TRTLLM_BACKEND,
+    # TensorRT-LLM's LLM-API Python model registers no nv_trt_llm_* metrics.
+    "trtllm-pytorch": TRITON_CORE | TRITON_GPU,
+}
+
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
+             "or", "unless", "offset", "inf", "nan"}
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
+_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_IDENT = re.compile(r"(?<![\w:$.])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![\w:])(?!\s*\()")
+
+
+def metrics_in(expr: str) -> set[str]:
+    """Metric names a PromQL expression reads (strings, label matchers, ranges, grouping
+    labels, functions, keywords and Grafana variables removed)."""
+    text = _STRING.sub(" ", expr)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = _GROUPING.sub(" ", text)
+    text = re.sub(r"\$\w+", " ", text)
+    return {m for m in _IDENT.findall(text) if m.lower() not in _KEYWORDS
+            and not re.fullmatch(r"\d+[smhdwy]?|e\d+", m)}

@@ -1,0 +1,122 @@
+"""Prometheus files for a deployment: ``<deploy>/monitoring/``.
+
+* ``prometheus.yml`` - scrape config of the local deployment (``promtool check config``); in a
+  cluster ``k8s/prometheus-operator/`` holds a PodMonitor and the same rules as a
+  PrometheusRule.
+* ``moepipe-rules.yml`` - recording rules and alerts (p99 latency over the SLO, error ratio,
+  queue time, server down, expert imbalance). ``promtool check rules`` accepts it.
+* ``prometheus-adapter.yaml`` - the adapter rule that serves the autoscaler's metric on
+  ``custom.metrics.k8s.io`` (values for the adapter's Helm chart: ``rules.custom``).
+
+Metric names are Triton's (server ``docs/user_guide/metrics.md``: counters without a ``_total``
+suffix, the ``_summary_us`` quantiles of ``--metrics-config summary_latencies=true``) and
+moepipe's ``moepipe_expert_tokens_total{model,layer,expert}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+JOB = "moepipe"
+# Recorded series (level:metric:operation, Prometheus' naming practice).
+EXPERT_RATE = "moepipe:expert_tokens:rate"
+EXPERT_IMBALANCE = "moepipe:expert_imbalance:stddev_over_mean"
+QUEUE_COMPUTE = "triton:queue_compute:ratio"
+PENDING = "moepipe:pending_requests:sum"
+# The autoscaler's metric names on custom.metrics.k8s.io (prometheus-adapter renames).
+HPA_METRICS = {"pending_requests": ("nv_inference_pending_request_count",
+                                    "moepipe_pending_requests"),
+               "queue_compute_ratio": (QUEUE_COMPUTE, "moepipe_queue_compute_ratio")}
+
+
+def _dur(seconds: int) -> str:
+    return f"{seconds}s"
+
+
+def rules(*, window_s: int, for_s: int, slo_p99_ms: float, max_error_ratio: float,
+          max_queue_ms: float, max_expert_imbalance: float, interval_s: int | None = None
+          ) -> dict[str, Any]:
+    """The rule file's content; ``window_s`` is the rate window, ``for_s`` how long a
+    condition must hold before its alert fires."""
+    w = f"[{_dur(window_s)}]"
+    success = f"sum by (model) (rate(nv_inference_request_success{w}))"
+    failure = f"sum by (model) (rate(nv_inference_request_failure{w}))"
+    recording = [
+        {"record": EXPERT_RATE,
+         "expr": f"sum by (job, instance, model, layer, expert) "
+                 f"(rate(moepipe_expert_tokens_total{w}))"},
+        # std/mean of the tokens each expert of a layer receives: 0 when the router spreads
+        # tokens evenly, sqrt(E-1) when one expert takes them all. Idle layers give no sample.
+        {"record": EXPERT_IMBALANCE,
+         "expr": f"stddev by (job, instance, model, layer) ({EXPERT_RATE})"
+                 f" / (avg by (job, instance, model, layer) ({EXPERT_RATE}) > 0)"},
+        {"record": QUEUE_COMPUTE,
+         "expr": f"sum by (namespace, pod, model) (rate(nv_inference_queue_duration_us{w}))"
+                 f" / clamp_min(sum by (namespace, pod, model) "
+                 f"(rate(nv_inference_compute_infer_duration_us{w})), 1)"},
+    ]
+    group: dict[str, Any] = {"name": "moepipe", "rules": recording + [
+        {"alert": "MoepipeServerDown", "expr": f'up{{job="{JOB}"}} == 0', "for": _dur(for_s),
+         "labels": {"severity": "critical"},
+         "annotations": {"summary": "Triton at {{ $labels.instance }} is not answering "
+                                    "metric scrapes"}},
+        {"alert": "MoepipeLatencyP99High",
+         "expr": 'max by (model) (nv_inference_request_summary_us{quantile="0.99"}) / 1000 '
+                 f"> {slo_p99_ms:g}",
+         "for": _dur(for_s), "labels": {"severity": "warning"},
+         "annotations": {"summary": "p99 request latency of {{ $labels.model }} is "
+                                    "{{ $value | humanize }} ms (SLO "
+                                    f"{slo_p99_ms:g} ms)"}},
+        {"alert": "MoepipeErrorRatioHigh",
+         "expr": f"{failure} / clamp_min({success} + {failure}, 1e-9) > {max_error_ratio:g}",
+         "for": _dur(for_s), "labels": {"severity": "warning"},
+         "annotations": {"summary": "{{ $labels.model }} fails {{ $value | humanizePercentage }}"
+                                    " of its requests"}},
+        {"alert": "MoepipeQueueTimeHigh",
+         "expr": f"sum by (model) (rate(nv_inference_queue_duration_us{w})) / 1000 / "
+                 f"clamp_min({success}, 1e-9) > {max_queue_ms:g}",
+         "for": _dur(for_s), "labels": {"severity": "warning"},
+         "annotations": {"summary": "requests of {{ $labels.model }} wait "
+                                    "{{ $value | humanize }} ms in the queue on average"}},
+        {"alert": "MoepipeExpertImbalance",
+         "expr": f"{EXPERT_IMBALANCE} > {max_expert_imbalance:g}",
+         "for": _dur(for_s), "labels": {"severity": "warning"},
+         "annotations": {"summary": "layer {{ $labels.layer }} of {{ $labels.model }}: "
+                                    "tokens per expert std/mean = {{ $value | humanize }}",
+                         "description": "The router sends most tokens to a few experts: "
+                                        "those experts' ranks bound the step time "
+                                        "(expert parallelism cannot balance the load)."}},
+    ]}
+    if interval_s is not None:
+        group["interval"] = _dur(interval_s)
+    return {"groups": [group]}
+
+
+def scrape_config(*, local_target: str, scrape_interval_s: int, evaluation_interval_s: int,
+                  rule_file: str) -> dict[str, Any]:
+    """prometheus.yml for the local deployment. In a cluster, the Prometheus Operator's
+    PodMonitor of ``k8s/prometheus-operator`` scrapes the pods instead (and labels the samples
+    with ``namespace`` and ``pod``, which prometheus-adapter maps to Kubernetes objects)."""
+    return {"global": {"scrape_interval": _dur(scrape_interval_s),
+                       "evaluation_interval": _dur(evaluation_interval_s)},
+            "rule_files": [rule_file],
+            "scrape_configs": [{"job_name": JOB,
+                                "static_configs": [{"targets": [local_target]}]}]}
+
+
+def adapter_rules(metric: str) -> dict[str, Any]:
+    """prometheus-adapter rule exposing ``metric`` per pod under its custom-metrics name."""
+    series, name = HPA_METRICS[metric]
+    return {"rules": {"custom": [{
+        "seriesQuery": f'{series}{{namespace!="",pod!=""}}',
+        "resources": {"overrides": {"namespace": {"resource": "namespace"},
+                                    "pod": {"resource": "pod"}}},
+        "name": {"matches": f"^{series}$", "as": name},
+        "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)",
+    }]}}
+
+
+def dump(data: dict[str, Any]) -> str:
+    return yaml.safe_dump(data, sort_keys=False, width=100)

