@@ -19,6 +19,7 @@ must hold the workdir and is mounted at the workdir's own path.
 from __future__ import annotations
 
 import math
+import shlex
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,7 +303,7 @@ exec mpirun --allow-run-as-root -mca plm_rsh_agent /opt/moepipe/kubessh \\
 
 
 def leader_script(plan: PodPlan, shape_: Shape) -> str:
-    args = " ".join(server_args(plan))
+    args = shlex.join(server_args(plan))
     return (LEADER.replace("__WORLD__", str(shape_.world_size))
             .replace("__PER_NODE__", str(shape_.gpus_per_pod))
             .replace("__WAIT_S__", str(plan.startup_s)).replace("__ARGS__", args))
