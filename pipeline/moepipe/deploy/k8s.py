@@ -19,8 +19,8 @@ must hold the workdir and is mounted at the workdir's own path.
 from __future__ import annotations
 
 import math
-import shlex
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
