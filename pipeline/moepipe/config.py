@@ -272,6 +272,20 @@ class MonitoringSection(Section):
                                                                "expert of a layer (0 = even).")
 
 
+class FallbackSection(Section):
+    """A second, smaller model the BLS model serves from while the primary is overloaded."""
+
+    config: Path = Field(description="moepipe.yaml of the fallback pipeline (same target and "
+                                     "tokenizer; `moepipe build` it first).")
+    max_queue: int = Field(8, ge=0, description="Requests the primary may hold before the "
+                                                "overflow goes to the fallback (0: no limit).")
+    failures: int = Field(5, ge=1, description="Failed primary requests within window_s that "
+                                               "open the circuit breaker.")
+    window_s: float = Field(30, gt=0)
+    cooldown_s: float = Field(10, ge=0, description="Open time before one probe request tries "
+                                                    "the primary again.")
+
+
 class DeploySection(Section):
     output: Path | None = Field(None, description="Deployment folder (default <workdir>/deploy):"
                                                   " model_repo/, tokenizer/, launch files.")
@@ -305,6 +319,8 @@ class DeploySection(Section):
                                         description="GPU targets' TensorRT-LLM serving knobs.")
     k8s: K8sSection = Field(default_factory=K8sSection,
                             description="Kubernetes objects written to <deploy>/k8s.")
+    fallback: FallbackSection | None = Field(None, description="Overload fallback model "
+                                                               "(BLS model only).")
     monitoring: MonitoringSection = Field(default_factory=MonitoringSection,
                                           description="Prometheus rules, scrape config and "
                                                       "Grafana dashboard in "
@@ -461,6 +477,9 @@ class MoepipeConfig(Section):
         placement = self.deploy.trtllm.expert_placement
         if placement is not None and not placement.is_absolute():
             self.deploy.trtllm.expert_placement = (base / placement).resolve()
+        fb = self.deploy.fallback
+        if fb is not None and not fb.config.is_absolute():
+            fb.config = (base / fb.config).resolve()
         cal = self.quantize.calibration
         if cal.dataset is not None and not cal.dataset.is_absolute():
             cal.dataset = (base / cal.dataset).resolve()

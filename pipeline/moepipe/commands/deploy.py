@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from moepipe.config import MoepipeConfig
+from moepipe.config import MoepipeConfig, load_config
 from moepipe.deploy import server
 from moepipe.deploy.repository import Artifacts, render_deployment
 from moepipe.errors import MoepipeError
@@ -73,7 +73,11 @@ def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
         echo(f"deploy: stopped {len(left)} process(es) an earlier deployment left behind")
     (state_dir(cfg) / server.STATE_FILE).unlink(missing_ok=True)
     art = artifacts(cfg)
-    repo = render_deployment(cfg, art)
+    fallback = None
+    if cfg.deploy.fallback is not None:
+        fb_cfg = load_config(cfg.deploy.fallback.config)
+        fallback = (fb_cfg, artifacts(fb_cfg))
+    repo = render_deployment(cfg, art, fallback=fallback)
     echo(f"deploy: rendered {cfg.target} repository at {repo}")
     if cfg.target != "cpu":
         echo(_gpu_instructions(cfg, art, repo))

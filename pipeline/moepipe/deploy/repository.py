@@ -14,6 +14,7 @@ from pathlib import Path
 from moepipe import __version__
 from moepipe.arch.hf import tokenizer_files
 from moepipe.config import MoepipeConfig
+from moepipe.deploy.fallback import render_fallback
 from moepipe.deploy.operate import render_operations
 from moepipe.deploy.render import check_repository, render_tree, templates_root
 from moepipe.deploy.targets import TARGETS, Artifacts
@@ -50,8 +51,11 @@ def copy_tokenizer(model_dir: Path, dst: Path) -> None:
         shutil.copy2(path, dst / path.name)
 
 
-def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True) -> Path:
-    """Write ``cfg.deploy_dir`` for ``cfg.target``; returns the model repository path."""
+def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True,
+                      fallback: tuple[MoepipeConfig, Artifacts] | None = None) -> Path:
+    """Write ``cfg.deploy_dir`` for ``cfg.target``; returns the model repository path.
+    ``fallback``: the ``deploy.fallback`` pipeline's config and build (see
+    :mod:`moepipe.deploy.fallback`)."""
     target = cfg.target
     if target not in TARGETS:
         raise MoepipeError(f"target '{target}' cannot be rendered yet")
@@ -65,6 +69,10 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
         copy_tokenizer(art.model_dir, tmp / "tokenizer")
         render_tree([root / "common", root / "targets" / target], values, tmp)
         repo = tmp / "model_repo"
+        if fallback is not None:
+            fb_cfg, fb_art = fallback
+            render_fallback(cfg, art, fb_cfg, fb_art,
+                            common_values(fb_cfg, out / "tokenizer", fb_art.vocab_size), repo, out)
         for model in repo.iterdir():
             (model / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even empty
         configs = check_repository(repo)
