@@ -91,3 +91,79 @@ def test_in_flight_count_is_exact_under_threads():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         router(Clock(), **bad)
+
+
+class Resp:
+    def __init__(self, text, error=None):
+        self.text, self._error = text, error
+
+    def has_error(self):
+        return self._error is not None
+
+    def error(self):
+        return self._error
+
+
+def test_policy_retries_on_the_fallback_when_the_primary_fails_first():
+    r = router(Clock(), failures=2)
+    policy = overload.FallbackPolicy(r)
+    calls = []
+
+    def call(model):
+        calls.append(model)
+        if model == "tensorrt_llm":
+            return iter([Resp("", error="UNAVAILABLE")])
+        return iter([Resp("a"), Resp("b")])
+
+    out = list(policy.serve(call))
+    assert [(m, x.text) for m, x in out] == [("tensorrt_llm_fallback", "a"),
+                                             ("tensorrt_llm_fallback", "b")]
+    assert calls == ["tensorrt_llm", "tensorrt_llm_fallback"] and r.in_flight == 0
+    list(policy.serve(call))
+    assert r.state == overload.OPEN  # two failures in the window
+    calls.clear()
+    assert [m for m, _ in policy.serve(call)] == ["tensorrt_llm_fallback"] * 2
+    assert calls == ["tensorrt_llm_fallback"]  # open: the primary is not even tried
+
+
+def test_policy_keeps_client_errors_and_mid_stream_errors_on_the_primary():
+    r = router(Clock(), failures=1)
+    policy = overload.FallbackPolicy(r, is_server_error=lambda e: e != "INVALID_ARG")
+    out = list(policy.serve(lambda m: iter([Resp("", error="INVALID_ARG")])))
+    assert [m for m, _ in out] == ["tensorrt_llm"] and r.state == overload.CLOSED
+    out = list(policy.serve(lambda m: iter([Resp("a"), Resp("", error="INTERNAL")])))
+    assert [m for m, _ in out] == ["tensorrt_llm", "tensorrt_llm"]
+    assert r.state == overload.OPEN  # counted, but the client already had tokens
+
+
+class Pb:
+    class MetricFamily:
+        COUNTER, GAUGE = "counter", "gauge"
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels):  # noqa: N802 - pb_utils' spelling
+            return Pb.Value(self.name, labels)
+
+    class Value:
+        def __init__(self, name, labels):
+            self.name, self.labels, self.value = name, labels, 0
+
+        def increment(self, n):
+            self.value += n
+
+        def set(self, v):
+            self.value = v
+
+
+def test_policy_counts_diversions_by_reason():
+    r = router(Clock(), max_queue=1)
+    policy = overload.FallbackPolicy(r, Pb)
+    held = policy.serve(lambda m: iter([Resp("x")]))
+    next(held)  # the primary holds one request
+    list(policy.serve(lambda m: iter([Resp("y")])))
+    assert policy._counters["queue"].value == 1
+    assert policy._counters["queue"].labels == {"model": "tensorrt_llm_bls", "reason": "queue"}
+    list(held)
+    assert r.in_flight == 0

@@ -95,3 +95,68 @@ class OverloadRouter:
                 self._recent.popleft()
             if len(self._recent) >= self.failures:
                 self._open(now)
+
+
+# Reasons a request went to the fallback (the ``reason`` label of the counter).
+REASONS = ("queue", "circuit", "error")
+
+
+class FallbackPolicy:
+    """The BLS side: routes each request, retries on the fallback when the primary fails before
+    answering anything, and keeps the metrics ``moepipe_fallback_requests_total{model,reason}``
+    (counter) and ``moepipe_circuit_state{model}`` (gauge: 0 closed, 1 open, 2 half-open)."""
+
+    def __init__(self, router: OverloadRouter, pb_utils=None, model: str = "tensorrt_llm_bls",
+                 is_server_error=lambda error: True):
+        self.router = router
+        self.is_server_error = is_server_error
+        self._counters = {}
+        self._state_gauge = None
+        self._families = []
+        if pb_utils is not None:
+            counter = pb_utils.MetricFamily(
+                name="moepipe_fallback_requests_total",
+                description="Requests the BLS model sent to the fallback model, by reason",
+                kind=pb_utils.MetricFamily.COUNTER)
+            gauge = pb_utils.MetricFamily(
+                name="moepipe_circuit_state",
+                description="Circuit breaker of the primary model: 0 closed, 1 open, 2 half-open",
+                kind=pb_utils.MetricFamily.GAUGE)
+            self._families = [counter, gauge]
+            self._counters = {r: counter.Metric(labels={"model": model, "reason": r})
+                              for r in REASONS}
+            self._state_gauge = gauge.Metric(labels={"model": model})
+
+    def _count(self, reason: str) -> None:
+        if reason in self._counters:
+            self._counters[reason].increment(1)
+        if self._state_gauge is not None:
+            self._state_gauge.set(self.router.state)
+
+    def serve(self, call):
+        """Yield ``(model, response)`` from ``call(model)``: the primary's responses, or the
+        fallback's when routed there or when the primary fails before its first response."""
+        route = self.router.acquire()
+        if not route.primary:
+            self._count(route.reason)
+            for response in call(route.model):
+                yield route.model, response
+            return
+        ok, answered, failed = True, False, False
+        try:
+            for response in call(route.model):
+                if response.has_error() and self.is_server_error(response.error()):
+                    ok = False
+                    if not answered:
+                        failed = True
+                        break
+                answered = True
+                yield route.model, response
+        finally:
+            self.router.release(route, ok)
+            if self._state_gauge is not None:
+                self._state_gauge.set(self.router.state)
+        if failed:
+            self._count("error")
+            for response in call(self.router.fallback):
+                yield self.router.fallback, response
