@@ -241,8 +241,9 @@ class K8sSection(Section):
     memory_gib: float | None = Field(None, gt=0, description="Memory per pod (unset: "
                                                               "estimated from the served "
                                                               "weights and KV cache).")
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(4, ge=1)
+    min_replicas: int = Field(1, ge=1, description="Replicas (LeaderWorkerSet: groups) the "
+                                                  "autoscaler keeps at least.")
+    max_replicas: int = Field(4, ge=1, description="Replicas the autoscaler may add up to.")
     autoscale_metric: Literal["pending_requests", "queue_compute_ratio"] = Field(
         "pending_requests", description="HPA metric per pod (prometheus-adapter): Triton's "
                                         "queued requests, or queue time / compute time.")
@@ -260,13 +261,14 @@ class K8sSection(Section):
 class MonitoringSection(Section):
     """Prometheus scrape config, alert rules and Grafana dashboard in <deploy>/monitoring."""
 
-    scrape_interval_s: int = Field(15, ge=1)
-    evaluation_interval_s: int = Field(15, ge=1)
+    scrape_interval_s: int = Field(15, ge=1, description="How often Prometheus scrapes.")
+    evaluation_interval_s: int = Field(15, ge=1, description="How often rules are "
+                                                             "evaluated.")
     rate_window_s: int = Field(300, ge=1, description="Window of the rates the rules read.")
     alert_for_s: int = Field(600, ge=0, description="How long a condition holds before its "
                                                     "alert fires.")
     slo_p99_ms: float = Field(5000, gt=0, description="p99 request latency objective.")
-    max_error_ratio: float = Field(0.01, ge=0, le=1)
+    max_error_ratio: float = Field(0.01, ge=0, le=1, description="Failed / all requests.")
     max_queue_ms: float = Field(1000, gt=0, description="Mean queue time per request.")
     max_expert_imbalance: float = Field(1.0, gt=0, description="std/mean of the tokens per "
                                                                "expert of a layer (0 = even).")
@@ -281,7 +283,7 @@ class FallbackSection(Section):
                                                 "overflow goes to the fallback (0: no limit).")
     failures: int = Field(5, ge=1, description="Failed primary requests within window_s that "
                                                "open the circuit breaker.")
-    window_s: float = Field(30, gt=0)
+    window_s: float = Field(30, gt=0, description="Window in which the failures are counted.")
     cooldown_s: float = Field(10, ge=0, description="Open time before one probe request tries "
                                                     "the primary again.")
 

@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moepipe.config import TARGETS, parse_config
+from moepipe.config import parse_config
 from moepipe.deploy import grafana, k8s, monitoring
 from moepipe.deploy.metric_names import EXPORTED, TRTLLM_FAMILIES, metrics_in
 from moepipe.deploy.operate import RULES_FILE, render_operations
+from moepipe.deploy.targets import TARGETS as REGISTERED_TARGETS
 from moepipe.deploy.targets import Artifacts
 from moepipe.errors import ConfigError
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
@@ -50,6 +51,7 @@ def _crds() -> dict[tuple[str, str], dict]:
 
 
 CRDS = _crds()
+TARGETS = sorted(REGISTERED_TARGETS)  # every registered target
 
 
 def k8s_errors(doc: dict, version: str) -> list[str]:
