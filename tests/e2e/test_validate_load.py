@@ -98,3 +98,31 @@ def test_an_slo_below_what_the_server_can_do_fails_naming_figure_and_limit(deplo
     case = next(x for x in report.jobs[0].cases if x.name == "concurrency_2")
     assert case.status == "failed"
     assert "ttft_ms.p99" in case.message and "> 0.01 (slo.ttft_p99_ms)" in case.message
+
+
+def test_server_exports_latency_histograms_and_occupancy_gauges(load_report, deployment):
+    """After the load jobs: real Prometheus histograms (cumulative buckets ending in +Inf that
+    equal the count, so histogram_quantile works) and the occupancy gauges."""
+    import re
+    import urllib.request
+
+    from moepipe.serving.metrics import BUCKETS
+
+    cfg, _ = deployment
+    with urllib.request.urlopen(f"http://{cfg.deploy.host}:{cfg.deploy.metrics_port}/metrics",
+                                timeout=10) as r:
+        text = r.read().decode()
+    for name in ("moepipe_request_latency_seconds", "moepipe_time_to_first_token_seconds",
+                 "moepipe_queue_time_seconds"):
+        assert f"# TYPE {name} histogram" in text
+        buckets = [(float(le), float(v)) for le, v in re.findall(
+            name + r'_bucket\{[^}]*le="([^"]+)"[^}]*\}\s+(\S+)', text)]
+        assert [le for le, _ in buckets] == [*BUCKETS, float("inf")]
+        counts = [v for _, v in buckets]
+        assert counts == sorted(counts)  # cumulative
+        total = float(re.search(name + r"_count\{[^}]*\}\s+(\S+)", text).group(1))
+        assert counts[-1] == total > 0
+    assert re.search(r'moepipe_kv_slots_total\{model="tensorrt_llm"\} 16', text)
+    for gauge in ("moepipe_batch_occupancy", "moepipe_queued_requests", "moepipe_kv_slots_used",
+                  "moepipe_kv_tokens_used"):
+        assert re.search(gauge + r'\{model="tensorrt_llm"\} \S+', text), gauge

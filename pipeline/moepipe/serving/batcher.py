@@ -75,6 +75,15 @@ class Batcher:
     def active(self) -> int:
         return len(self._running)
 
+    def load(self) -> dict[str, int]:
+        """Occupancy for metrics: running and waiting requests, KV-cache slots held, tokens
+        held in the KV cache. Exact on the engine thread (``on_step``), a snapshot elsewhere."""
+        running = list(self._running)
+        return {"running": len(running),
+                "waiting": len(self._waiting) + self._incoming.qsize(),
+                "slots_used": self.max_batch_size - len(self._free),
+                "kv_tokens": sum(len(r.prompt) + len(r.generated) for r in running)}
+
     # -- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():

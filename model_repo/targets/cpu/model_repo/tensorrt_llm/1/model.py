@@ -7,7 +7,8 @@ FINAL; a ``stop`` request ends the running request with the same request id. ``e
 parses and queues, in both transaction policies, and answers through response senders: the
 engine thread runs in-flight batching; responses are built and sent, and cancellation polled,
 on the outbox thread. Expert routing is exported as Prometheus counters
-``moepipe_expert_tokens_total{model,layer,expert}``.
+``moepipe_expert_tokens_total{model,layer,expert}``; latency, TTFT and queue-time histograms
+and occupancy gauges by ``moepipe.serving.metrics``.
 """
 
 import json
@@ -25,6 +26,7 @@ from moepipe.runtime.model import ReferenceModel
 from moepipe.runtime.sampling import SamplingParams
 from moepipe.serving import contract
 from moepipe.serving.batcher import Batcher
+from moepipe.serving.metrics import ServingMetrics
 from moepipe.serving.request import GenerationRequest, RequestError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -65,6 +67,7 @@ class TritonPythonModel:
             name="moepipe_running_requests", description="Requests in the running batch",
             kind=pb_utils.MetricFamily.GAUGE)
         self.running_metric = self.running_family.Metric(labels={"model": self.name})
+        self.serving_metrics = ServingMetrics(pb_utils, self.name, int(cfg["max_batch_size"]))
         self._last_counts = model.expert_tokens.clone()
         self._tokens = 0
         self._published = 0.0
@@ -93,6 +96,7 @@ class TritonPythonModel:
         if tokens:
             self.tokens_metric.increment(tokens)
         self.running_metric.set(self.engine.active)
+        self.outbox.put(self.serving_metrics.publish, self.engine.load())
 
     def execute(self, requests):
         # Both policies answer through response senders (non-decoupled: exactly one response),
@@ -191,6 +195,8 @@ class TritonPythonModel:
             perf = _perf(req) if row.return_perf_metrics else None
             result = contract.Result(out, list(log_probs), float(sum(req.log_probs)), ctx, gen,
                                      perf)
+            if final:
+                self.serving_metrics.record(req)
             self.outbox.put(group.respond, row, result, seq, batch_size, final, req)
 
         def on_error(message):
@@ -207,6 +213,7 @@ class TritonPythonModel:
             f"moepipe engine: {e.steps} steps, {e.stats['sequences'] / max(e.steps, 1):.1f} "
             f"sequences per step, {e.stats['prefills']} prefills, "
             f"{e.stats['forward_s']:.2f}s in forward")
+        self.serving_metrics.close()
         del self.expert_metrics, self.tokens_metric, self.running_metric
 
 
