@@ -17,8 +17,8 @@ Why the export needs help (modelopt 0.47, ``modelopt/torch/export``):
 * **INT4-AWQ experts keep their own block scales.** The unified export's
   ``sync_moe_gate_up_amax`` replaces an expert's gate and up block amaxes with their
   element-wise max (needed for NVFP4's shared global scale, not for INT4 blocks, which belong to
-  separate rows of TensorRT-LLM's ``[up | gate]`` tensor). :func:`exact_export` keeps per-block
-  amaxes as calibrated; scalar amaxes are still synced.
+  separate rows of TensorRT-LLM's ``[up | gate]`` tensor). :func:`exact_export` keeps INT4-AWQ
+  per-block amaxes as calibrated; other amaxes are still synced.
 * **FP8 weights are rounded once.** The unified export divides a 16-bit weight by a 0-d float32
   scale, which torch computes in the 16-bit dtype: the quotient is rounded to bfloat16 before
   the fp8 cast (about 1-3% of the bytes one fp8 step off). :func:`exact_export` divides in
@@ -133,12 +133,14 @@ def export_unified(model: nn.Module, out: Path, expert_names: tuple[str, str, st
 
 @contextlib.contextmanager
 def exact_export() -> Iterator[None]:
-    """Around ``export_hf_checkpoint``: keep per-block amaxes out of the gate/up sync and
-    quantize FP8 weights in float32 (see the module docstring)."""
+    """Around ``export_hf_checkpoint``: keep INT4-AWQ per-block amaxes out of the gate/up sync
+    (other formats, NVFP4 included, are synced as modelopt does) and quantize FP8 weights in
+    float32 (see the module docstring)."""
     import modelopt
     import torch
     from modelopt.torch.export import unified_export_hf as ue
-    from modelopt.torch.export.model_config import QUANTIZATION_FP8
+    from modelopt.torch.export.model_config import QUANTIZATION_FP8, QUANTIZATION_INT4_AWQ
+    from modelopt.torch.export.quant_utils import get_quantization_format
 
     if not modelopt.__version__.startswith(MODELOPT_VERSION + "."):
         raise EnvironmentMissing(f"moepipe's quantized export needs nvidia-modelopt "
@@ -147,7 +149,8 @@ def exact_export() -> Iterator[None]:
     sync, quantize = ue.sync_moe_gate_up_amax, ue.to_quantized_weight
 
     def sync_scalar_amax_only(model: nn.Module) -> int:
-        quantizers: list[Any] = [m.weight_quantizer for m in model.modules() if _quantized(m)]
+        quantizers: list[Any] = [m.weight_quantizer for m in model.modules() if _quantized(m)
+                                 and get_quantization_format(m) == QUANTIZATION_INT4_AWQ]
         blocks = [(q, q.amax.clone()) for q in quantizers
                   if getattr(q, "amax", None) is not None and q.amax.numel() > 1]
         count = sync(model)
