@@ -116,10 +116,9 @@ def test_kv_bytes_per_token_split_duplicated_and_mla():
     assert kv_bytes_per_token(ds, Sharding(8, 2, 1, 8), 31, 2) == 31 * 576 * 2
 
 
-def _plan(name, cluster, **kw):
+def _plan(name, cluster, target="trtllm-pytorch", **kw):
     return make_plan(published(name), parse_cluster(cluster),
-                     Workload(isl=kw.pop("isl", 2048), osl=kw.pop("osl", 512), **kw),
-                     kw.pop("target", "trtllm-pytorch"))
+                     Workload(isl=kw.pop("isl", 2048), osl=kw.pop("osl", 512), **kw), target)
 
 
 @pytest.mark.parametrize("cluster", ["8xH100", "8xH200", "2x8xH100"])
@@ -271,3 +270,12 @@ def test_init_plan_fills_parallel_and_build(tmp_path, monkeypatch, capsys):
         (top.tp, top.pp, top.attention_dp)
     assert cfg.build.max_input_len == 512 and cfg.build.max_seq_len == 640
     assert "# from `moepipe plan` on 4xL40S" in (tmp_path / "moepipe.yaml").read_text()
+
+
+def test_plan_says_what_moepipe_cannot_build():
+    ds = _plan("DeepSeek-V3", "8xH200", fmt="fp8_block")
+    assert any("does not build DeepseekV3ForCausalLM" in n for n in ds.notes)
+    assert not _plan("Mixtral-8x7B", "8xH100").notes
+    engine = _plan("DeepSeek-V3", "8xH200", fmt="fp8_block", target="trtllm-engine")
+    assert engine.best is None
+    assert all("no DeepSeek-V3 engines" in e.problems[-1] for e in engine.candidates)

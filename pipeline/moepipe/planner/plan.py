@@ -10,7 +10,7 @@ last with the reason.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class Plan:
     target: str
     candidates: list[Estimate]
     host_memory: dict[str, int]
+    notes: list[str] = field(default_factory=list)
 
     @property
     def best(self) -> Estimate | None:
@@ -143,9 +144,31 @@ def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
         key = lambda e: (not e.fits, e.tpot_s, -e.max_sequences)  # noqa: E731
     else:
         key = lambda e: (not e.fits, -e.tokens_per_s_per_gpu, e.tpot_s)  # noqa: E731
+    notes = support_notes(model, target)
+    if target == "trtllm-engine" and model.architecture in NO_ENGINE:
+        for e in ests:
+            e.problems.append(NO_ENGINE[model.architecture])
     fitting = sorted((e for e in ests if e.fits), key=key)
     others = sorted((e for e in ests if not e.fits), key=lambda e: e.weights)
-    return Plan(model, cluster, workload, target, fitting + others, host_memory(model))
+    return Plan(model, cluster, workload, target, fitting + others, host_memory(model), notes)
+
+
+# Architectures TensorRT-LLM 1.2 has no engine (trtllm-build) path for.
+NO_ENGINE = {
+    "DeepseekV3ForCausalLM": "TensorRT-LLM 1.2 builds no DeepSeek-V3 engines (only its preview "
+                             "`deepseek` branch does); serve it on trtllm-pytorch",
+}
+
+
+def support_notes(model: ModelShape, target: str) -> list[str]:
+    """What the plan cannot promise: moepipe building the model at all."""
+    from moepipe.arch import REGISTRY, supported
+
+    if model.architecture in REGISTRY:
+        return []
+    return [f"moepipe does not build {model.architecture} yet (it builds "
+            f"{', '.join(supported())}); the plan sizes what TensorRT-LLM's own loader would "
+            "need"]
 
 
 def model_summary(model: ModelShape, fmt: str) -> dict[str, Any]:

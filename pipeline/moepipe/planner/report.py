@@ -49,6 +49,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
                      "max_num_tokens": w.max_num_tokens},
         "target": plan.target,
         "host_memory": plan.host_memory,
+        "notes": plan.notes,
         "plans": [estimate_dict(e, i + 1 if e.fits else None)
                   for i, e in enumerate(plan.candidates)],
     }
@@ -72,6 +73,7 @@ def format_plan(plan: Plan, limit: int = 12) -> str:
         f"{w.kv_fraction:g} of free memory",
         f"host RAM: convert {_gib(plan.host_memory['convert'])} GiB, quantize "
         f"{_gib(plan.host_memory['quantize'])} GiB",
+        *(f"note: {n}" for n in plan.notes),
         "",
         f"{'#':>3} {'tp':>3} {'pp':>3} {'etp':>3} {'ep':>3} {'adp':>3} {'weights':>8} "
         f"{'reserve':>8} {'KV/tok':>8} {'KV tokens':>10} {'seqs':>6} {'comm/tok':>9} "
