@@ -120,6 +120,7 @@ def test_cancelled_request_frees_its_slot(engine):
 @pytest.mark.parametrize("kw,match", [
     (dict(prompt=[], max_new_tokens=4), "prompt is empty"),
     (dict(prompt=[1], max_new_tokens=0), "max_tokens must be >= 1"),
+    (dict(prompt=[1], max_new_tokens=-2**31), "above 2147483647 wrap around"),
     (dict(prompt=[1] * 33, max_new_tokens=1), "max_input_len=32"),
     (dict(prompt=[1] * 30, max_new_tokens=40), "exceeds max_seq_len=64"),
     (dict(prompt=[99999], max_new_tokens=1), "outside the vocabulary"),
@@ -151,3 +152,49 @@ def test_stop_answers_requests_still_in_the_incoming_queue(model):
     e.stop()
     for s in sinks:
         assert s.done.is_set() and s.error == "the server is shutting down"
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=1e-45, top_k=5, seed=1),   # 1/temperature overflows
+    SamplingParams(temperature=1e-30, top_k=0, top_p=0.5, seed=2),
+])
+def test_degenerate_temperature_samples_like_greedy(engine, model, sampling):
+    """Issue 9 case 1: a tiny temperature is the greedy limit, not inf - inf = NaN."""
+    params = dict(prompt=PROMPTS[0], max_new_tokens=6)
+    got = run(engine, sampling=sampling, **params)
+    want = run(engine, **params)
+    assert got.done.wait(30) and want.done.wait(30)
+    assert got.error is None and got.tokens == want.tokens
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(sampling=SamplingParams(temperature=float("nan"), top_k=5)), "temperature must be"),
+    (dict(sampling=SamplingParams(temperature=float("inf"), top_k=5)), "temperature must be"),
+    (dict(sampling=SamplingParams(temperature=1.0, top_p=float("nan"))), "top_p must be"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty must be a finite"),
+    (dict(presence_penalty=float("inf")), "presence_penalty must be a finite"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+])
+def test_non_finite_sampling_settings_are_refused_at_submit(engine, kw, match):
+    with pytest.raises(RequestError, match=match):
+        engine.submit(GenerationRequest(prompt=[1], max_new_tokens=2, **kw))
+
+
+def test_a_failing_request_fails_alone_and_frees_its_slot(engine, monkeypatch):
+    """A request whose sampling fails is answered with the error and gives its slot back;
+    the requests batched with it finish normally, and the engine keeps serving."""
+    bad = SamplingParams(temperature=1.0, top_k=3, seed=9)
+    real = GenerationRequest.process_logits
+
+    def nan_for_bad(self, logits):
+        out = real(self, logits)
+        return out * float("nan") if self.sampling is bad else out
+
+    monkeypatch.setattr(GenerationRequest, "process_logits", nan_for_bad)
+    sinks = [run(engine, prompt=PROMPTS[0], max_new_tokens=8, sampling=bad)
+             for _ in range(engine.max_batch_size)]
+    good = [run(engine, prompt=p, max_new_tokens=5) for p in PROMPTS[:2]]
+    assert all(s.done.wait(30) for s in sinks + good)
+    assert all(s.error and "sampling failed" in s.error for s in sinks)
+    assert all(s.error is None and len(s.tokens) == 5 for s in good)
+    assert sorted(engine._free) == list(range(engine.max_batch_size))

@@ -144,6 +144,24 @@ def failure_reason(log: Path) -> str | None:
     return None
 
 
+# Stack size of the server's threads (glibc takes a new thread's default from RLIMIT_STACK).
+# Triton's HTTP frontend (libevhtp) parses an ``application/x-www-form-urlencoded`` body (curl
+# -d sends that content type) into two variable-length arrays of the body's size on the
+# stack: with the usual 8 MiB, a body over ~4 MB overflows it and the server dies of SIGSEGV
+# (evhtp_parse_query_wflags). 64 MiB moves that to ~30 MB; JSON bodies never take this path.
+SERVER_STACK_BYTES = 64 << 20
+
+
+def _server_limits() -> None:
+    """In the child, before exec: the larger stack limit (never above the hard limit)."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    want = SERVER_STACK_BYTES if hard == resource.RLIM_INFINITY else min(SERVER_STACK_BYTES,
+                                                                          hard)
+    resource.setrlimit(resource.RLIMIT_STACK, (want, hard))
+
+
 def _ready(host: str, port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=2) as r:
@@ -179,7 +197,7 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
         # its backend stubs, which share its process group) by PID.
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=server_env(),
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_server_limits)
     state = ServerState(pid=proc.pid, host=host, http_port=http_port, grpc_port=grpc_port,
                         metrics_port=metrics_port, repository=str(repository), log=str(log),
                         binary=str(triton.path), started=time.time(), exit_timeout=exit_timeout,

@@ -24,7 +24,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick the next token from one row of logits."""
     if params.greedy:
         return int(torch.argmax(logits))
-    scores = logits.float() / params.temperature
+    scores = logits.float()
+    best = scores.max()
+    if not torch.isfinite(best):
+        raise ValueError("no token can be sampled: the logits are NaN or every token is "
+                         "excluded")
+    # The best score goes to 0 before dividing: a tiny temperature then sends every other
+    # score to -inf (greedy in the limit) instead of overflowing to inf, and inf - inf = NaN.
+    scores = (scores - best) / params.temperature
     if params.top_k > 0:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -38,6 +38,7 @@ class Batcher:
         self._incoming: queue.Queue[GenerationRequest | None] = queue.Queue()
         self._waiting: list[GenerationRequest] = []
         self._running: list[GenerationRequest] = []
+        self._admitted: list[GenerationRequest] = []  # in the step being run
         self._free = list(range(max_batch_size))
         self._generators: dict[int, torch.Generator] = {}
         self._stop = threading.Event()
@@ -93,11 +94,11 @@ class Batcher:
                 break
             try:
                 self.step()
-            except Exception as e:  # a bug: fail the batch, keep serving
+            except Exception as e:  # a bug: fail the batch (answered, slots freed), keep serving
                 log.exception("engine step failed")
-                for req in self._running + self._waiting:
+                for req in {id(r): r for r in self._admitted + self._running}.values():
                     self._fail(req, f"internal error: {e}")
-                self._running, self._waiting = [], []
+                self._running, self._admitted = [], []
 
     def _drain(self, block: bool) -> None:
         try:
@@ -116,7 +117,8 @@ class Batcher:
         self._finish_stopped()
         if self.steps % CANCEL_CHECK_STEPS == 0:
             self._drop_cancelled()
-        admitted = []
+        admitted: list[GenerationRequest] = []  # out of the queue, not yet running
+        self._admitted = admitted  # a failing step fails these with the running ones
         while self._waiting and self._free:
             req = self._waiting.pop(0)
             req.slot = self._free.pop(0)
@@ -158,8 +160,12 @@ class Batcher:
             if req.plain_greedy:
                 token = best
             else:
-                row = req.process_logits(row.clone())
-                token = sample(row, req.sampling, self._generators[req.slot])
+                try:
+                    row = req.process_logits(row.clone())
+                    token = sample(row, req.sampling, self._generators[req.slot])
+                except (RuntimeError, ValueError) as e:  # this request's alone: fail just it
+                    self._fail(req, f"sampling failed: {e}")
+                    continue
             req.generated.append(token)
             if req.return_log_probs:
                 lp = torch.log_softmax(row.float(), dim=-1)[token].item()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,7 +57,9 @@ class GenerationRequest:
         if not self.prompt:
             raise RequestError("the prompt is empty")
         if self.max_new_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {self.max_new_tokens}")
+            wrapped = (" (JSON values above 2147483647 wrap around when Triton's HTTP frontend "
+                       "narrows them to INT32)") if self.max_new_tokens < 0 else ""
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_new_tokens}{wrapped}")
         if len(self.prompt) > max_input_len:
             raise RequestError(f"the prompt has {len(self.prompt)} tokens; the limit is "
                                f"max_input_len={max_input_len}")
@@ -67,8 +70,16 @@ class GenerationRequest:
         bad = [t for t in self.prompt if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-        if self.sampling.temperature < 0 or not 0 < self.sampling.top_p <= 1:
-            raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
+        s = self.sampling
+        if not (math.isfinite(s.temperature) and s.temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0, got {s.temperature}")
+        if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+            raise RequestError(f"top_p must be in (0, 1], got {s.top_p}")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise RequestError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.sampling.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.sampling.top_k}")
 

@@ -160,7 +160,8 @@ class TritonPythonModel:
         # TensorRT-LLM decodes greedily unless top_k > 1 or top_p > 0 asks for sampling;
         # temperature 0 or top_k 1 is greedy as well.
         sampling = SamplingParams(temperature=temperature, top_k=top_k,
-                                  top_p=top_p if top_p > 0 else 1.0, seed=seed)
+                                  top_p=1.0 if top_p <= 0 else top_p,  # NaN: refused
+                                  seed=seed)
         if top_k == 0 and top_p <= 0:
             sampling = SamplingParams(temperature=0.0, seed=seed)
         bias = row.embedding_bias

@@ -1,0 +1,79 @@
+"""One bad request must not take the server down (issue 9, case 1), against the shared real
+tritonserver: degenerate sampling settings are refused at the edge (NaN) or sampled safely
+(temperature 1e-45), and after more such requests than there are KV-cache slots the server
+still answers everybody."""
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+from moepipe.deploy import client
+from moepipe.deploy.client import ClientError
+
+
+def _llm_inputs(n=6, **extra):
+    ids = [54, 260, 402, 305, 77]
+    inputs = {"input_ids": np.array([ids], np.int32),
+              "input_lengths": np.array([[len(ids)]], np.int32),
+              "request_output_len": np.array([[n]], np.int32)}
+    inputs.update({k: np.array([[v]], np.float32 if isinstance(v, float) else np.int32)
+                   for k, v in extra.items()})
+    return inputs
+
+
+def _tokens(ep, **kw):
+    res = client.grpc_infer(ep.grpc, "tensorrt_llm", _llm_inputs(**kw),
+                            ["output_ids", "sequence_length"])
+    return [t for out in res.outputs for t in out["output_ids"].reshape(-1).tolist()]
+
+
+@pytest.mark.parametrize("name", ["temperature", "runtime_top_p", "repetition_penalty"])
+def test_nan_sampling_settings_are_invalid_argument(deployment, name):
+    _, ep = deployment
+    with pytest.raises(ClientError, match=f"{name.removeprefix('runtime_')} must be"):
+        _tokens(ep, runtime_top_k=5, **{name: float("nan")})
+
+
+def test_tiny_temperature_never_takes_the_server_down(deployment):
+    cfg, ep = deployment
+    greedy = _tokens(ep)
+    payload = {"text_input": "Call me Ishmael.", "max_tokens": 6, "temperature": 1e-45,
+               "top_k": 5}
+    n = cfg.build.max_batch_size + 4  # more than there are KV-cache slots
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: client.generate(ep.http, "ensemble", payload),
+                                range(n)))
+    assert all(a["text_output"] == answers[0]["text_output"] for a in answers)
+    assert _tokens(ep, temperature=1e-45, runtime_top_k=5) == greedy  # the greedy limit
+    ep.get("/v2/health/ready")
+    assert client.generate(ep.http, "ensemble", {"text_input": "ok", "max_tokens": 2})
+
+
+def _post(ep, body, content_type):
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{ep.http}/v2/models/ensemble/generate", body,
+                                 {"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded",  # curl -d
+                                          "application/json"])
+def test_a_5mb_body_is_a_clean_error_and_the_server_lives(deployment, content_type):
+    """Issue 9 case 2: Triton's HTTP frontend (libevhtp) parsed a form-encoded body into two
+    stack arrays of its size and died of SIGSEGV at ~5 MB on 8 MiB thread stacks."""
+    import json
+
+    _, ep = deployment
+    body = json.dumps({"text_input": "a " * (5 << 19), "max_tokens": 4}).encode()
+    assert len(body) > 5 << 20
+    code, text = _post(ep, body, content_type)
+    assert code == 400 and b"max_input_len" in text
+    ep.get("/v2/health/ready")
+    assert client.generate(ep.http, "ensemble", {"text_input": "ok", "max_tokens": 2})
