@@ -160,3 +160,13 @@ def test_html_report_is_self_contained_and_draws_every_plot():
     for svg in re.findall(r"<svg.*?</svg>", page, re.S):
         assert re.search(r"<(polyline|rect|circle)[^>]*(points|height)=", svg)
         assert "nan" not in svg.lower()
+
+
+def test_the_cpu_targets_latency_metrics_are_registered_for_dashboards():
+    from moepipe.deploy.metric_names import EXPORTED
+    from moepipe.serving.metrics import BUCKETS, GAUGES, HISTOGRAMS
+
+    for name, _ in HISTOGRAMS.values():
+        assert {f"{name}_bucket", f"{name}_sum", f"{name}_count"} <= EXPORTED["cpu"]
+    assert {name for name, _ in GAUGES.values()} <= EXPORTED["cpu"]
+    assert BUCKETS == sorted(BUCKETS) and BUCKETS[0] > 0

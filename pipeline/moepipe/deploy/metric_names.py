@@ -61,7 +61,13 @@ TRTLLM_BACKEND = {*TRTLLM_FAMILIES, *_histogram("nv_llm_input_token_len"),
 # The cpu target's own (model_repo/targets/cpu/.../tensorrt_llm/1/model.py) and the
 # TensorRT-LLM families it also exports, with the same labels.
 MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
-               "moepipe_running_requests"}
+               "moepipe_running_requests",
+               # moepipe.serving.metrics (HISTOGRAMS, GAUGES)
+               *_histogram("moepipe_request_latency_seconds"),
+               *_histogram("moepipe_time_to_first_token_seconds"),
+               *_histogram("moepipe_queue_time_seconds"), "moepipe_batch_occupancy",
+               "moepipe_queued_requests", "moepipe_kv_slots_used", "moepipe_kv_slots_total",
+               "moepipe_kv_tokens_used"}
 CPU_TRTLLM_FAMILIES = ("nv_trt_llm_request_metrics", "nv_trt_llm_kv_cache_block_metrics")
 
 EXPORTED = {

@@ -267,6 +267,9 @@ class _HttpClient:
         finally:
             writer.close()
 
+    async def close(self) -> None:
+        """Nothing to close: every request has its own connection."""
+
 
 def _prompt_cycle(prompts: list[Prompt], seed: int):
     rng = random.Random(seed)
