@@ -38,6 +38,8 @@ def reference(deployment):
             gen = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         new = gen[0, len(ids):].tolist()
+        if tok.eos_token_id in new:  # TensorRT-LLM's outputs stop before end_id
+            new = new[:new.index(tok.eos_token_id)]
         out[prompt] = (ids, new, tok.decode(new, skip_special_tokens=True))
     return out
 

@@ -183,7 +183,10 @@ def _hf_generate(cfg, tok, hf, eos, prompt) -> tuple[list[int], list[int]]:
         out = hf.generate(torch.tensor([ids]), max_new_tokens=cfg.validation.max_tokens,
                           do_sample=False, eos_token_id=eos,
                           pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos)
-    return ids, out[0, len(ids):].tolist()
+    new = out[0, len(ids):].tolist()
+    if eos is not None and eos in new:  # TensorRT-LLM's outputs stop before end_id
+        new = new[:new.index(eos)]
+    return ids, new
 
 
 def _compare(ep, cfg, tok, hf, eos, prompt) -> dict:

@@ -182,6 +182,10 @@ class TritonPythonModel:
         # it on the outbox thread so the engine never waits for the server.
         def on_tokens(tokens, log_probs, final):
             self._tokens += len(tokens) if req.streaming else len(req.generated)
+            kept = len(req.generated)
+            if final and req.end_id is not None and tokens and tokens[-1] == req.end_id:
+                # TensorRT-LLM stops at end_id without returning it (nor its log prob)
+                tokens, log_probs, kept = tokens[:-1], log_probs[:-1], kept - 1
             out = list(tokens) if (row.exclude_input or row.streaming) else row.prompt + tokens
             ctx = None
             if req.context_logits is not None and not sent_first:
@@ -189,13 +193,12 @@ class TritonPythonModel:
             sent_first.append(True)
             gen = None
             if req.return_generation_logits:
-                steps = (req.generation_logits[len(req.generation_logits) - len(tokens):]
-                         if req.streaming else req.generation_logits)
+                steps = req.generation_logits[kept - len(tokens):kept]
                 gen = (torch.stack(steps).float().numpy() if steps
                        else np.zeros((0, self.engine.model.vocab_size), np.float32))
             perf = _perf(req) if row.return_perf_metrics else None
-            result = contract.Result(out, list(log_probs), float(sum(req.log_probs)), ctx, gen,
-                                     perf)
+            result = contract.Result(out, list(log_probs), float(sum(req.log_probs[:kept])), ctx,
+                                     gen, perf)
             if final:
                 self.serving_metrics.record(req)
             self.outbox.put(group.respond, row, result, seq, batch_size, final, req)
