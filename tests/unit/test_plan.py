@@ -2,6 +2,7 @@
 inputs. Full-size models come from their published config.json files (no weights)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -279,3 +280,56 @@ def test_plan_says_what_moepipe_cannot_build():
     engine = _plan("DeepSeek-V3", "8xH200", fmt="fp8_block", target="trtllm-engine")
     assert engine.best is None
     assert all("no DeepSeek-V3 engines" in e.problems[-1] for e in engine.candidates)
+
+
+class QuantizedShapes:
+    """Shapes of a modelopt unified checkpoint of ``folder`` without its data: every linear
+    (expert, attention, shared expert) gains the scalar ``weight_scale`` and ``input_scale`` its
+    export writes; SmoothQuant leaves routed experts unquantized."""
+
+    LINEAR = re.compile(r"(proj|w[123])\.weight$")
+
+    def __init__(self, folder, experts_quantized=True):
+        with CheckpointReader(folder) as reader:
+            self.shapes = {n: i.shape for n, i in reader.tensors.items()}
+        for name, shape in list(self.shapes.items()):
+            if len(shape) == 2 and self.LINEAR.search(name) \
+                    and (experts_quantized or ".experts." not in name):
+                module = name.removesuffix(".weight")
+                self.shapes[module + ".weight_scale"] = ()
+                self.shapes[module + ".input_scale"] = ()
+
+    def has(self, name):
+        return name in self.shapes
+
+    def shape(self, name):
+        return self.shapes[name]
+
+
+@pytest.mark.parametrize("algo,fmt,family", [
+    *[("FP8", "fp8", f) for f in FAMILIES],
+    *[("W8A8_SQ_PER_CHANNEL", "int8_sq", f) for f in FAMILIES],
+    ("W4A16_AWQ", "int4_awq", "tiny-mixtral-256"),
+])
+def test_quantized_rank_bytes_equal_the_converter_plan(algo, fmt, family, examples, tmp_path):
+    from moepipe.checkpoints.modelopt import QuantInfo
+    from moepipe.errors import MappingError
+    from moepipe.examples import write_example
+
+    folder = examples.get(family) or write_example(family, tmp_path / family)
+    ckpt = open_hf_checkpoint(folder)
+    model = load_model(folder)
+    reader = QuantizedShapes(folder, experts_quantized=fmt != "int8_sq")
+    checked = 0
+    for m in legal_mappings(ckpt.spec, 8):
+        try:
+            plan = plan_conversion(ckpt.family, ckpt.spec, m, "bfloat16", reader,
+                                   QuantInfo(algo, None, 128, ()))
+        except MappingError:  # AWQ groups of 128 inputs do not split this way
+            continue
+        s = Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep)
+        for rank in range(m.world_size):
+            assert stage_weight_bytes(model, s, m.pp_rank(rank), fmt, "bfloat16") \
+                == plan.rank_bytes(rank), (m, rank)
+            checked += 1
+    assert checked >= 8

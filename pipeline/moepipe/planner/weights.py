@@ -12,10 +12,15 @@ fp8        1 byte per weight; ``weights_scaling_factor`` and ``activation_scalin
 fp8_block  1 byte per weight; one float32 ``weight_scale_inv`` per 128 x 128 block (DeepSeek-V3)
 int4_awq   (and w4a8_awq) half a byte per weight; float32 scales per 128 inputs ``[out, in/128]``; a
            pre-quant scale per input in the model dtype
-int8_sq    1 byte per weight plus float32 per-channel scales ``[out]`` and one activation scale;
-           routed experts stay in the model dtype (TensorRT-LLM has no SmoothQuant MoE)
+int8_sq    1 byte per weight plus float32 per-channel scales ``[out]``, one activation scale
+           and a smoothing scale per input in the model dtype; routed experts stay in the model
+           dtype (TensorRT-LLM has no SmoothQuant MoE)
 nvfp4      half a byte per weight; one FP8 scale per 16 weights; two float32 scalars
 =========  ===================================================================================
+
+fp8, int4_awq and int8_sq equal the converter's quantized plans byte for byte
+(tests/unit/test_plan.py); fp8_block and nvfp4 follow the published layouts (DeepSeek-V3's
+checkpoint, modelopt's NVFP4).
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def tensor_bytes(t: Tensor, count: int, shape: tuple[int, ...], fmt: str, dtype:
     if fmt in ("int4_awq", "w4a8_awq"):
         return count * (elems // 2 + out * math.ceil(inp / AWQ_GROUP) * 4 + inp * base)
     if fmt == "int8_sq":
-        return count * (elems + out * 4) + 4
+        return count * (elems + out * 4 + inp * base + 4)
     if fmt == "nvfp4":
         return count * (elems // 2 + elems // NVFP4_BLOCK + 8)
     raise ConfigError(f"quantization format '{fmt}' is unknown",
