@@ -150,5 +150,38 @@ def test_lost_server_json_and_orphans_after_sigkill(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "killed" in proc.stdout and "leftover" in proc.stdout
         assert _left(cfg) == []
+        client.stop_stream()
+    finally:
+        processes.kill_all(_left(cfg))
+
+
+def test_stop_after_a_rejected_grpc_request_is_prompt_and_says_what_happened(tmp_path):
+    """Triton never unloads a decoupled ensemble that rejected a request (a gRPC input of the
+    wrong datatype): stop used to sit out Triton's exit timeout and call it graceful."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    cfg = make_config(tmp_path / "w", deploy={"max_restarts": 0})
+    run_build(cfg.workdir / "moepipe.yaml", echo=lambda s: None)
+    run_deploy(cfg, echo=lambda s: None)
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{cfg.deploy.grpc_port}")
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put(error))
+        wrong = grpcclient.InferInput("text_input", [1, 1], "INT32")  # BYTES expected
+        wrong.set_data_from_numpy(np.array([[5]], dtype=np.int32))
+        tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+        tokens.set_data_from_numpy(np.array([[4]], dtype=np.int32))
+        client.async_stream_infer("ensemble", [wrong, tokens])
+        error = answers.get(timeout=60)
+        assert error is not None and "INT32" in str(error)  # rejected, with the reason
+        proc = _cli("stop", cwd=cfg.workdir)  # the client still holds its stream open
+        assert proc.returncode == 0, proc.stderr
+        assert "forced: Triton could not unload ensemble with no request in flight" \
+            in proc.stdout, proc.stdout
+        assert _left(cfg) == []
+        client.stop_stream()
     finally:
         processes.kill_all(_left(cfg))

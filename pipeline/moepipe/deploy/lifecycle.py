@@ -4,7 +4,11 @@
 ``stop`` is prompt: SIGTERM lets Triton finish the requests in flight, but when a model's
 backend process has died, or the requests in flight make no progress (no token, no finished
 request) for :data:`NO_PROGRESS_S`, waiting for Triton's exit timeout helps nobody and the
-deployment is killed at once. Every process of the deployment (server, backend stubs that a
+deployment is killed at once. The same holds when Triton, with nothing in flight, cannot unload a
+model (its log stops counting down live models): a decoupled ensemble that rejected a request
+(e.g. a gRPC input of the wrong datatype) while the client keeps its stream open is never
+released by Triton and would hold the server for its whole exit timeout. A server that did sit out its exit timeout is reported as
+forced, not graceful. Every process of the deployment (server, backend stubs that a
 killed server left behind, the supervisor) is gone when ``stop`` returns.
 """
 
@@ -24,6 +28,9 @@ from moepipe.deploy.state import STATE_FILE, ServerError, ServerState, read_stat
 
 # In-flight requests with no visible progress for this long are hung: stop without waiting.
 NO_PROGRESS_S = 2.0
+# Unloading that has not released a model for this long, with nothing in flight, is stuck
+# (Python backends can take seconds to wind down on a busy machine; ensembles take none).
+UNLOAD_STALL_S = 12.0
 POLL_S = 0.25
 
 
@@ -123,6 +130,68 @@ def _progress(state: ServerState) -> tuple[float, tuple] | None:
                        m.get("nv_inference_request_failure", 0))
 
 
+_LIVE = re.compile(r"Found (\d+) live models and 0 in-flight non-inference requests")
+_UNLOADED = re.compile(r"successfully unloaded '([^']+)'")
+_UNLOADING = "All models are stopped, unloading models"
+_EXIT_TIMEOUT = "Exit timeout expired"
+
+
+class _ShutdownLog:
+    """What Triton's log says about its shutdown since :meth:`__init__` (the SIGTERM)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.offset = path.stat().st_size
+        except OSError:
+            self.offset = 0
+        self.live: int | None = None  # live models, from the latest countdown line
+        self.live_since = time.monotonic()
+        self.unloaded: list[str] = []
+        self.unloading = False
+        self.timed_out = False
+
+    def read(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return
+        cut = text.rfind("\n") + 1  # leave a half-written line for the next read
+        self.offset += len(text[:cut].encode())
+        for line in text[:cut].splitlines():
+            self.unloading = self.unloading or _UNLOADING in line
+            self.timed_out = self.timed_out or _EXIT_TIMEOUT in line
+            if m := _UNLOADED.search(line):
+                self.unloaded.append(m.group(1))
+            if (m := _LIVE.search(line)) and int(m.group(1)) != self.live:
+                self.live, self.live_since = int(m.group(1)), time.monotonic()
+
+    def stuck(self, models: dict[str, bool]) -> bool:
+        """Unloading with nothing in flight, and the live-model count has not moved for
+        :data:`UNLOAD_STALL_S` - or, when only ensembles are left (they have no backend to
+        wind down), for :data:`NO_PROGRESS_S`."""
+        if not (self.unloading and self.live):
+            return False
+        left = [name for name in models if name not in self.unloaded]
+        only_ensembles = bool(left) and all(models[name] for name in left)
+        stalled = time.monotonic() - self.live_since
+        return stalled > (NO_PROGRESS_S if only_ensembles else UNLOAD_STALL_S)
+
+
+def _models(state: ServerState) -> dict[str, bool]:
+    """Model name -> is it an ensemble, for the deployment's repository."""
+    repo = Path(state.repository) if state.repository else None
+    if repo is None or not repo.is_dir():
+        return {}
+    found = {}
+    for config in sorted(repo.glob("*/config.pbtxt")):
+        text = config.read_text(errors="replace")
+        found[config.parent.name] = re.search(r'platform:\s*"ensemble"', text) is not None
+    return found
+
+
 def terminate(state: ServerState, grace: float) -> tuple[bool, str | None]:
     """SIGTERM, then SIGKILL when Triton's wait for in-flight requests is pointless (a model
     process died, or nothing progresses) or after ``grace``. Returns (graceful, why forced)."""
@@ -131,6 +200,8 @@ def terminate(state: ServerState, grace: float) -> tuple[bool, str | None]:
         os.kill(state.pid, signal.SIGKILL)
         return False, f"model process {dead[0]} had died"
     before = _progress(state)
+    models = _models(state)
+    shutdown = _ShutdownLog(Path(state.log))
     try:
         os.kill(state.pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -140,7 +211,17 @@ def terminate(state: ServerState, grace: float) -> tuple[bool, str | None]:
     reason = f"still running after {grace:.0f}s"
     while time.monotonic() < deadline:
         if not processes.alive(state.pid):
+            shutdown.read()
+            if shutdown.timed_out:
+                return False, "Triton's exit timeout expired with models still loaded"
             return True, None
+        shutdown.read()
+        if shutdown.stuck(models):
+            live = [m for m in models if m not in shutdown.unloaded]
+            reason = (f"Triton could not unload {', '.join(live) or 'a model'} with no request "
+                      f"in flight (Triton holds a decoupled ensemble that rejected a request "
+                      f"while the client's gRPC stream stays open); killed instead of waiting {state.exit_timeout}s")
+            break
         now = _progress(state)
         if now is not None and last is not None and now[1] != last[1]:
             since = time.monotonic()
