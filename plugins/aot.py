@@ -189,6 +189,37 @@ def write_kernels(spec, archs, out: Path, *, cubin: bool = True) -> list[dict]:
     return records
 
 
+def load_kernel(folder: Path, spec, arch: str) -> CompiledRouting:
+    """A kernel :func:`write_kernels` compiled ahead of time (e.g. on a machine without a GPU),
+    for TensorRT's ``aot_impl``: refused unless it was compiled for exactly ``spec`` and this
+    kernel version's constants, with the pinned Triton."""
+    from moepipe.plugins.launch import constexprs, launch_config
+
+    path = Path(folder) / "kernels.json"
+    if not path.is_file():
+        raise UnsupportedError(f"{folder}: no kernels.json",
+                               "compile with `python -m moepipe.plugins.aot --spec ... --out DIR`")
+    manifest = json.loads(path.read_text())
+    record = next((k for k in manifest["kernels"] if k["arch"] == arch), None)
+    want = constexprs(spec)
+    if manifest["spec"] != spec.to_dict() or record is None or record["constexprs"] != want \
+            or record["triton"] != TRITON_VERSION:
+        raise UnsupportedError(f"{folder}: no precompiled routing kernel for {arch} and this "
+                               "routing mode", "compile it again for this model")
+    ptx = (Path(folder) / f"{record['kernel']}.{arch}.ptx").read_text()
+    if hashlib.sha256(ptx.encode()).hexdigest() != record["ptx_sha256"]:
+        raise UnsupportedError(f"{folder}: {record['kernel']}.{arch}.ptx does not match "
+                               "kernels.json", "compile it again")
+    launch = record["launch"]
+    config = launch_config(spec)
+    return CompiledRouting(arch=arch, name=record["kernel"], ptx=ptx, cubin=None,
+                           ptx_target=record["ptx_target"], num_warps=launch["num_warps"],
+                           block_x=launch["block_x"], grid_x=config.num_programs,
+                           shared_mem=launch["shared_mem"],
+                           global_scratch=record["global_scratch"], params=record["params"],
+                           constexprs=want, triton_version=record["triton"])
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m plugins.aot --spec JSON [--arch sm_90 ...] --out DIR`` (no GPU needed)."""
     import argparse

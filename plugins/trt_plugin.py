@@ -16,12 +16,16 @@ Attributes: those of ``plugins.onnx_export.ATTRS`` (ints, a float and strings).
 # No ``from __future__ import annotations`` here: tensorrt.plugin reads the annotations of the
 # functions below as objects (TensorDesc, Tuple[...]), which must be real at definition time.
 
+from pathlib import Path
+
 from moepipe.errors import EnvironmentMissing
 from moepipe.plugins import PLUGIN_NAME, PLUGIN_NAMESPACE
 from moepipe.plugins.launch import NUM_PROGRAMS
 from moepipe.plugins.onnx_export import spec_from_attrs
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
+# a folder of kernels compiled by `python -m moepipe.plugins.aot` for aot_impl to use
+KERNELS_ENV = "MOEPIPE_ROUTING_KERNELS"
 MIN_TENSORRT = (10, 9)  # ahead-of-time quickly deployable plugins
 
 
@@ -80,17 +84,22 @@ def register() -> str:
              topk_first: int, renormalize: int, n_group: int, topk_group: int,
              group_score: str, routed_scaling_factor: float, has_router_bias: int,
              has_correction_bias: int, outputs: Tuple[trtp.TensorDesc], tactic: int):
+        import os
+
         import torch
 
-        from moepipe.plugins.aot import compile_routing
+        from moepipe.plugins.aot import compile_routing, load_kernel
 
         spec = spec_from_attrs(dict(
             num_experts=num_experts, top_k=top_k, score=score, topk_first=topk_first,
             renormalize=renormalize, n_group=n_group, topk_group=topk_group,
             group_score=group_score, routed_scaling_factor=routed_scaling_factor,
             has_router_bias=has_router_bias, has_correction_bias=has_correction_bias))
-        kernel = compile_routing(spec, arch_of(*torch.cuda.get_device_capability()),
-                                 cubin=False)
+        arch = arch_of(*torch.cuda.get_device_capability())
+        # PTX compiled ahead of time (python -m moepipe.plugins.aot), else compiled here
+        folder = os.environ.get(KERNELS_ENV)
+        kernel = load_kernel(Path(folder), spec, arch) if folder else \
+            compile_routing(spec, arch, cubin=False)
         launch = trtp.KernelLaunchParams()
         launch.grid_x = kernel.grid_x
         launch.block_x = kernel.block_x

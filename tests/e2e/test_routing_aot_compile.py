@@ -60,3 +60,20 @@ def test_what_tensorrt_needs_is_recorded(compiled):
         launch = kernel["launch"]
         assert launch["block_x"] == launch["num_warps"] * 32 and launch["grid_x"] == 512
         assert 0 <= launch["shared_mem"] <= 48 * 1024  # no opt-in shared memory needed
+
+
+def test_precompiled_kernels_load_for_their_spec_only(compiled, request):
+    from moepipe.errors import UnsupportedError
+    from moepipe.plugins.aot import load_kernel
+
+    out, manifest = compiled
+    spec = RoutingSpec.from_dict(manifest["spec"])
+    kernel = load_kernel(out, spec, "sm_90")
+    assert kernel.ptx == (out / "moe_route.sm_90.ptx").read_text()
+    assert kernel.block_x == 128 and kernel.grid_x == 512 and kernel.name == "moe_route"
+    other = RoutingSpec(spec.num_experts, spec.top_k)  # another routing mode
+    with pytest.raises(UnsupportedError, match="no precompiled routing kernel"):
+        load_kernel(out, other, "sm_90")
+    (out / "moe_route.sm_80.ptx").write_text("tampered")
+    with pytest.raises(UnsupportedError, match="does not match"):
+        load_kernel(out, spec, "sm_80")
