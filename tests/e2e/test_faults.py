@@ -150,7 +150,6 @@ def test_lost_server_json_and_orphans_after_sigkill(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "killed" in proc.stdout and "leftover" in proc.stdout
         assert _left(cfg) == []
-        client.stop_stream()
     finally:
         processes.kill_all(_left(cfg))
 

@@ -7,9 +7,10 @@ request) for :data:`NO_PROGRESS_S`, waiting for Triton's exit timeout helps nobo
 deployment is killed at once. The same holds when Triton, with nothing in flight, cannot unload a
 model (its log stops counting down live models): a decoupled ensemble that rejected a request
 (e.g. a gRPC input of the wrong datatype) while the client keeps its stream open is never
-released by Triton and would hold the server for its whole exit timeout. A server that did sit out its exit timeout is reported as
-forced, not graceful. Every process of the deployment (server, backend stubs that a
-killed server left behind, the supervisor) is gone when ``stop`` returns.
+released by Triton and would hold the server for its whole exit timeout. A server that did sit
+out its exit timeout is reported as forced, not graceful. Every process of the deployment
+(server, backend stubs that a killed server left behind, the supervisor) is gone when ``stop``
+returns.
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ def terminate(state: ServerState, grace: float) -> tuple[bool, str | None]:
             live = [m for m in models if m not in shutdown.unloaded]
             reason = (f"Triton could not unload {', '.join(live) or 'a model'} with no request "
                       f"in flight (Triton holds a decoupled ensemble that rejected a request "
-                      f"while the client's gRPC stream stays open); killed instead of waiting {state.exit_timeout}s")
+                      f"while the client's gRPC stream stays open); killed instead of waiting "
+                      f"{state.exit_timeout}s")
             break
         now = _progress(state)
         if now is not None and last is not None and now[1] != last[1]:
