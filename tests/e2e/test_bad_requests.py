@@ -77,3 +77,40 @@ def test_a_5mb_body_is_a_clean_error_and_the_server_lives(deployment, content_ty
     assert code == 400 and b"max_input_len" in text
     ep.get("/v2/health/ready")
     assert client.generate(ep.http, "ensemble", {"text_input": "ok", "max_tokens": 2})
+
+
+def _metric(ep, name):
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{ep.metrics}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+def test_a_client_gone_mid_stream_stops_generation(deployment, model="tensorrt_llm_bls"):
+    """Issue 9 case 3: an HTTP generate_stream client that disconnects after the first chunk
+    stops the model's generation (the BLS path)."""
+    import http.client
+    import json
+    import time
+
+    cfg, ep = deployment
+    max_tokens = cfg.build.max_seq_len - 32
+    before = _metric(ep, "moepipe_generated_tokens_total")
+    host, port = ep.http.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", f"/v2/models/{model}/generate_stream",
+                 json.dumps({"text_input": "Call me Ishmael.", "max_tokens": max_tokens,
+                             "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data:")
+    conn.sock.close()  # the client is gone
+    conn.close()
+    deadline = time.monotonic() + 30
+    time.sleep(0.5)
+    while _metric(ep, "moepipe_running_requests") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    generated = _metric(ep, "moepipe_generated_tokens_total") - before
+    assert 0 < generated < max_tokens, generated

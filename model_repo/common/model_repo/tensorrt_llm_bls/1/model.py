@@ -11,12 +11,16 @@ split). Needs only numpy.
 """
 
 import json
+import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# How often a decoupled request's client is asked whether it cancelled (or went away).
+CANCEL_POLL_S = 0.25
 
 # client input -> preprocessing input
 PRE_INPUTS = {"text_input": "QUERY", "decoder_text_input": "DECODER_QUERY",
@@ -79,8 +83,16 @@ class TritonPythonModel:
         return responses
 
     def _run(self, request, sender):
+        # The model request carries an id, so that a client that cancels can be stopped there:
+        # this Python backend cannot cancel a BLS request, but TensorRT-LLM's `stop` input
+        # ends the running request with the same id.
+        request_id = request.request_id() or f"moepipe-bls-{uuid.uuid4().hex}"
+        done = threading.Event()
+        if self.decoupled:
+            threading.Thread(target=self._watch, args=(request_id, sender, done),
+                             daemon=True).start()
         try:
-            for response in self._generate(request):
+            for response in self._generate(request, request_id):
                 sender.send(response)
             sender.send(flags=FINAL)
         except _Failed as e:
@@ -91,8 +103,27 @@ class TritonPythonModel:
         except Exception as e:  # keep the server up and tell the client
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
                         flags=FINAL)
+        finally:
+            done.set()
 
-    def _generate(self, request):
+    def _watch(self, request_id, sender, done):
+        """Stop the model's request when the client cancels (or disconnects)."""
+        while not done.wait(CANCEL_POLL_S):
+            if sender.is_cancelled():
+                stop = [pb_utils.Tensor("input_ids", np.zeros((1, 1), np.int32)),
+                        pb_utils.Tensor("input_lengths", np.ones((1, 1), np.int32)),
+                        pb_utils.Tensor("request_output_len", np.ones((1, 1), np.int32)),
+                        pb_utils.Tensor("stop", np.ones((1, 1), np.bool_))]
+                try:
+                    for _ in pb_utils.InferenceRequest(
+                            model_name=self.llm, inputs=stop, request_id=request_id,
+                            requested_output_names=["output_ids"]).exec(decoupled=True):
+                        pass
+                except Exception as e:  # the request may have ended meanwhile
+                    pb_utils.Logger.log_warn(f"stopping a cancelled request failed: {e}")
+                return
+
+    def _generate(self, request, request_id):
         for name, what in UNSUPPORTED.items():
             if pb_utils.get_input_tensor_by_name(request, name) is not None:
                 raise ValueError(f"{name} is for {what}, which moepipe does not serve")
@@ -109,7 +140,7 @@ class TritonPythonModel:
         llm_in += [pb_utils.Tensor(dst, t.as_numpy()) for src, dst in LLM_INPUTS.items()
                    if (t := pb_utils.get_input_tensor_by_name(request, src)) is not None]
         llm_request = pb_utils.InferenceRequest(
-            model_name=self.llm, inputs=llm_in, request_id=request.request_id(),
+            model_name=self.llm, inputs=llm_in, request_id=request_id,
             requested_output_names=["output_ids", "sequence_length", *PASS_THROUGH])
         stream = llm_request.exec(decoupled=True) if self.decoupled else [llm_request.exec()]
         tokens: dict[tuple[int, int], list[int]] = {}  # (batch, sequence) -> ids so far
