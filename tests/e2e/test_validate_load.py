@@ -50,8 +50,9 @@ def test_load_jobs_pass_and_write_json_junit_and_html(load_report):
         s = point["summary"]
         assert s["ok"] == 12 and s["error_rate"] == 0
         assert s["latency_ms"]["p99"] >= s["latency_ms"]["p50"] >= s["ttft_ms"]["p50"] > 0
-        # tokens/s from the server's own counts: at most max_tokens per request
-        assert 0 < s["output_tokens_per_s"] <= 8 * s["requests_per_s"] * 1.001
+        # tokens/s from the server's own counts: max_tokens per request unless one ended early
+        # (end id); a random-weight model rarely samples it
+        assert 4 * s["requests_per_s"] < s["output_tokens_per_s"] <= 8 * s["requests_per_s"] * 1.01
     burst = data["jobs"][1]["data"]
     assert burst["burst"] == [2, 4] and len(burst["timeline"]) == 7
     assert burst["phases"]["during"]["ok"] > burst["phases"]["before"]["ok"]

@@ -48,7 +48,7 @@ class Sample:
     status: str = "failed"
     first: float | None = None  # first response carrying tokens
     done: float | None = None  # final response, error or timeout
-    tokens: int = 0  # the server's num_output_tokens
+    tokens: int = 0  # the server's num_output_tokens, summed over the streamed responses
     responses: int = 0
     error: str = ""
 
@@ -192,7 +192,9 @@ class _Client:
                 if out.name == "text_output" and len(raw) > 4 and s.first is None:
                     s.first = now
                 elif out.name == "num_output_tokens" and len(raw) >= 4:
-                    s.tokens = max(s.tokens, int(np.frombuffer(raw, np.int32)[0]))
+                    # streaming: each response counts the ids it carries (TensorRT-LLM's
+                    # contract), so the request's tokens are the sum
+                    s.tokens += int(np.frombuffer(raw, np.int32)[0])
             final = r.parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 s.status, s.done = "ok", now
@@ -242,6 +244,8 @@ class _HttpClient:
             code = int((await reader.readline()).split()[1])
             error = ""
             while line := await reader.readline():
+                if line.strip() == b"0":  # the last chunk: the server may keep the socket open
+                    break
                 if line.startswith(b"data:"):
                     event = json.loads(line[5:])
                     now = self.now()
@@ -254,8 +258,8 @@ class _HttpClient:
                         s.first = now
                     n = event.get("num_output_tokens")
                     n = n[0] if isinstance(n, list) else n
-                    if n is not None:
-                        s.tokens = max(s.tokens, int(n))
+                    if n is not None:  # per response when streaming, as over gRPC
+                        s.tokens += int(n)
                 elif code != 200 and line.startswith(b"{"):
                     error = str(json.loads(line).get("error", line.decode()))
             if error or code != 200:
