@@ -68,9 +68,15 @@ def evaluate(folder: Path) -> dict:
         gen = model.generate(prompt, max_new_tokens=16, do_sample=False)
     p = (unigram + 1) / (unigram + 1).sum()  # add-one unigram fitted on the held-out text
     uni = float(-(unigram * p.log()).sum() / unigram.sum())
-    load = [{"layer": n, "std_over_mean": round(float(c.std(unbiased=False) / c.mean()), 3),
-             "max_over_mean": round(float(c.max() / c.mean()), 3)}
-            for n, c in enumerate(counts)]
+    # The formula of `moepipe validate`'s balance job (there: counted from the server's
+    # expert counters; here: from the router of transformers on the held-out text).
+    from moepipe.validate.balance import imbalance
+
+    load = []
+    for n, c in enumerate(counts.numpy()):
+        stats = imbalance(c)
+        load.append({"layer": n, "std_over_mean": round(stats["std_over_mean"], 3),
+                     "max_over_mean": round(stats["max_over_mean"], 3)})
     return {"heldout_tokens": tokens, "heldout_ppl": round(math.exp(nll / tokens), 2),
             "unigram_ppl": round(math.exp(uni), 2), "expert_load": load,
             "answer": tok.decode(gen[0, prompt.shape[1]:])}
