@@ -42,7 +42,10 @@ def render_fallback(cfg: MoepipeConfig, art: Artifacts, fb_cfg: MoepipeConfig,
                     fb_art: Artifacts, common: dict[str, str], repo: Path, out: Path) -> None:
     """Write ``repo/tensorrt_llm_fallback`` from the fallback pipeline's build.
     ``common`` are the primary's shared values (batching, queue, decoupled mode)."""
-    where = f"deploy.fallback.config ({cfg.deploy.fallback.config})"
+    fb = cfg.deploy.fallback
+    if fb is None:
+        raise ConfigError("no deploy.fallback to render")
+    where = f"deploy.fallback.config ({fb.config})"
     if fb_cfg.target != cfg.target:
         raise ConfigError(f"{where} is for target {fb_cfg.target}, the primary for {cfg.target}",
                           "the fallback is served by the same server: use the same target")
