@@ -169,3 +169,7 @@ BLS_INPUTS = {
 CONTRACT = {"tensorrt_llm": (TENSORRT_LLM_INPUTS, TENSORRT_LLM_OUTPUTS),
             "ensemble": (ENSEMBLE_INPUTS, TEXT_OUTPUTS),
             "tensorrt_llm_bls": (BLS_INPUTS, TEXT_OUTPUTS)}
+
+# moepipe's additions, not upstream's: outputs a TensorRT-LLM client only sees if it asks for
+# them. served_by: the model that answered (deploy.fallback; tensorrt_llm_bls/1/overload.py).
+MOEPIPE_OUTPUTS = {"tensorrt_llm_bls": {"served_by": ("TYPE_STRING", _SCALAR)}}

@@ -14,7 +14,7 @@ from pathlib import Path
 from moepipe import __version__
 from moepipe.arch.hf import tokenizer_files
 from moepipe.config import MoepipeConfig
-from moepipe.deploy.fallback import render_fallback
+from moepipe.deploy.fallback import bls_values, render_fallback
 from moepipe.deploy.operate import render_operations
 from moepipe.deploy.render import check_repository, render_tree, templates_root
 from moepipe.deploy.targets import TARGETS, Artifacts
@@ -42,6 +42,7 @@ def common_values(cfg: MoepipeConfig, tokenizer_dir: Path, vocab_size: int) -> d
         "accumulate_tokens": flag(d.accumulate_tokens),
         # context / generation logits (ensemble, BLS, cpu); trtllm-engine reads its engine's
         "logits_datatype": LOGITS_DATATYPES[cfg.build.logits_dtype],
+        **bls_values(cfg),
     }
 
 

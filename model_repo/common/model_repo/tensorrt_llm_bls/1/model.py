@@ -11,12 +11,17 @@ split). Needs only numpy.
 """
 
 import json
+import os
+import sys
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import overload  # noqa: E402 - beside this file; the model runs without moepipe installed
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How often a decoupled request's client is asked whether it cancelled (or went away).
@@ -69,6 +74,18 @@ class TritonPythonModel:
         self.accumulate = params.get("accumulate_tokens", "false").lower() == "true"
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
         self.pool = ThreadPoolExecutor(max_workers=64) if self.decoupled else None
+        self.policy = None
+        if params.get("fallback_model_name"):
+            router = overload.OverloadRouter(
+                self.llm, params["fallback_model_name"],
+                max_queue=int(params["fallback_max_queue"]),
+                failures=int(params["fallback_failures"]),
+                window_s=float(params["fallback_window_s"]),
+                cooldown_s=float(params["fallback_cooldown_s"]))
+            # Bad requests are the client's, not the primary's failures.
+            self.policy = overload.FallbackPolicy(
+                router, pb_utils, args["model_name"],
+                is_server_error=lambda e: e.code() != pb_utils.TritonError.INVALID_ARG)
 
     def execute(self, requests):
         if self.decoupled:
@@ -114,13 +131,16 @@ class TritonPythonModel:
                         pb_utils.Tensor("input_lengths", np.ones((1, 1), np.int32)),
                         pb_utils.Tensor("request_output_len", np.ones((1, 1), np.int32)),
                         pb_utils.Tensor("stop", np.ones((1, 1), np.bool_))]
-                try:
-                    for _ in pb_utils.InferenceRequest(
-                            model_name=self.llm, inputs=stop, request_id=request_id,
-                            requested_output_names=["output_ids"]).exec(decoupled=True):
-                        pass
-                except Exception as e:  # the request may have ended meanwhile
-                    pb_utils.Logger.log_warn(f"stopping a cancelled request failed: {e}")
+                # With deploy.fallback the request may run on either model.
+                models = [self.llm] + ([self.policy.router.fallback] if self.policy else [])
+                for model in models:
+                    try:
+                        for _ in pb_utils.InferenceRequest(
+                                model_name=model, inputs=stop, request_id=request_id,
+                                requested_output_names=["output_ids"]).exec(decoupled=True):
+                            pass
+                    except Exception as e:  # the request may have ended meanwhile
+                        pb_utils.Logger.log_warn(f"stopping a cancelled request failed: {e}")
                 return
 
     def _generate(self, request, request_id):
@@ -139,13 +159,18 @@ class TritonPythonModel:
                   for src, dst in PRE_TO_LLM.items()]
         llm_in += [pb_utils.Tensor(dst, t.as_numpy()) for src, dst in LLM_INPUTS.items()
                    if (t := pb_utils.get_input_tensor_by_name(request, src)) is not None]
-        llm_request = pb_utils.InferenceRequest(
-            model_name=self.llm, inputs=llm_in, request_id=request_id,
-            requested_output_names=["output_ids", "sequence_length", *PASS_THROUGH])
-        stream = llm_request.exec(decoupled=True) if self.decoupled else [llm_request.exec()]
+
+        def call(model):
+            llm_request = pb_utils.InferenceRequest(
+                model_name=model, inputs=llm_in, request_id=request_id,
+                requested_output_names=["output_ids", "sequence_length", *PASS_THROUGH])
+            return llm_request.exec(decoupled=True) if self.decoupled else [llm_request.exec()]
+
+        stream = (self.policy.serve(call) if self.policy is not None
+                  else ((self.llm, r) for r in call(self.llm)))
         tokens: dict[tuple[int, int], list[int]] = {}  # (batch, sequence) -> ids so far
         previous: dict[tuple[int, int], str] = {}
-        for response in stream:
+        for served_by, response in stream:
             if response.has_error():
                 raise _Failed(response.error())
             ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
@@ -169,6 +194,7 @@ class TritonPythonModel:
                                         for t in self._detokenize(ids, lengths)], dtype=object)
             out = [pb_utils.Tensor("text_output", text_output)]
             out += [pb_utils.Tensor(name, value) for name, value in passed.items()]
+            out.append(pb_utils.Tensor("served_by", np.array([served_by.encode()], object)))
             yield pb_utils.InferenceResponse(output_tensors=out)
 
     def _detokenize(self, ids, lengths):

@@ -112,6 +112,9 @@ class FallbackPolicy:
         self.is_server_error = is_server_error
         self._counters = {}
         self._state_gauge = None
+        # Metric calls go to the server through the stub's IPC channel: one thread at a time
+        # (concurrent calls from the BLS worker threads crash the Python backend).
+        self._metrics_lock = threading.Lock()
         self._families = []
         if pb_utils is not None:
             counter = pb_utils.MetricFamily(
@@ -128,8 +131,12 @@ class FallbackPolicy:
             self._state_gauge = gauge.Metric(labels={"model": model})
 
     def _count(self, reason: str) -> None:
-        if reason in self._counters:
-            self._counters[reason].increment(1)
+        with self._metrics_lock:
+            if reason in self._counters:
+                self._counters[reason].increment(1)
+            self._set_state()
+
+    def _set_state(self) -> None:
         if self._state_gauge is not None:
             self._state_gauge.set(self.router.state)
 
@@ -154,8 +161,8 @@ class FallbackPolicy:
                 yield route.model, response
         finally:
             self.router.release(route, ok)
-            if self._state_gauge is not None:
-                self._state_gauge.set(self.router.state)
+            with self._metrics_lock:
+                self._set_state()
         if failed:
             self._count("error")
             for response in call(self.router.fallback):
