@@ -42,6 +42,7 @@ from moepipe.config import MoepipeConfig
 from moepipe.errors import CheckpointError, ConfigError
 from moepipe.quant.trtllm import quantized_rules
 from moepipe.stages.base import BuildContext, Stage, gib
+from moepipe.stages.integrity import STAGE_FILE
 from moepipe.trtllm.checkpoint_config import build_config, quantization_block
 from moepipe.trtllm.mapping import Mapping, check_mapping
 from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
@@ -295,7 +296,10 @@ def _hash_sources(folder: Path, out: dict[str, str]) -> None:
     from moepipe.checkpoints.hashcache import file_sha256
 
     for path in sorted(folder.iterdir()):
-        if path.is_file() and (path.suffix in (".safetensors", ".json")):
+        # The build's record of the stage that wrote the folder (file mtimes, timings) is
+        # bookkeeping, not model data: the same model must give the same manifest.
+        if path.is_file() and path.suffix in (".safetensors", ".json") \
+                and path.name != STAGE_FILE:
             out[path.name] = file_sha256(path)
 
 
