@@ -13,9 +13,11 @@ Each rule is data (HF source names) plus one sharding recipe from TensorRT-LLM's
   second half);
 * :class:`VocabSplit` - ``lm_head``: vocabulary padded to a multiple of tp, then split.
 
-A rule yields its output as *chunks* whose concatenation is the tensor: slices of source tensors
-(:class:`SliceRef`, resolved lazily) or literal tensors (padding). The converter streams them, so
-it never holds more than a bounded block of one expert.
+Each rule describes its rank's tensor once, as a :class:`~moepipe.arch.geometry.Geometry` (the
+source slices, column/row-parallel or replicated); the quantized conversion slices weights and
+scales with the same description. A rule yields its output as *chunks* whose concatenation is the
+tensor: slices of source tensors (:class:`SliceRef`, resolved lazily) or literal tensors
+(padding). The converter streams them, so it never holds more than a bounded block of one expert.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from moepipe.arch.geometry import COLUMN, REPLICATED, ROW, Geometry, Part, Zeros, chunk
 from moepipe.checkpoints.st_io import F32, DType
 
 if TYPE_CHECKING:
@@ -52,14 +55,6 @@ class RankContext:
 
     def name(self, template: str, **kw) -> str:
         return template.format(layer=self.layer, **kw)
-
-
-@dataclass(frozen=True)
-class Zeros:
-    """``rows`` x ``cols`` zeros of the output (vocabulary padding)."""
-
-    rows: int
-    cols: int
 
 
 @dataclass(frozen=True)
@@ -113,16 +108,32 @@ class Rule:
         """Expected HF shape of each (non-expert) source, for validation."""
         raise NotImplementedError
 
+    def expert_shapes(self, ctx: RankContext, reader: Reader) -> dict[str, tuple[int, ...]]:
+        """Expected HF shape of each expert source (their layout depends on the checkpoint)."""
+        return {}
+
     def shape(self, ctx: RankContext) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def chunks(self, ctx: RankContext, reader: Reader) -> Iterator[SliceRef | Zeros]:
+    def fused(self, ctx: RankContext, reader: Reader) -> bool:
+        """Whether the checkpoint stores this rule's sources as fused expert tensors."""
+        return False
+
+    def geometry(self, ctx: RankContext, fused: bool = False) -> Geometry:
+        """The rank's tensor as source slices (``fused``: the fused-experts source layout)."""
         raise NotImplementedError
 
+    def chunks(self, ctx: RankContext, reader: Reader) -> Iterator[SliceRef | Zeros]:
+        """The rank's tensor as lazily read source slices (then any padding)."""
+        geo = self.geometry(ctx, self.fused(ctx, reader))
+        for p in geo.parts():
+            yield reader.ref(p.src, p.index)
+        if geo.padding is not None:
+            yield geo.padding
 
-def _chunk(total: int, parts: int, index: int) -> slice:
-    size = total // parts
-    return slice(index * size, (index + 1) * size)
+
+def _whole(src: str) -> Geometry:
+    return Geometry(REPLICATED, ((Part(src),),), (src,))
 
 
 @dataclass(frozen=True)
@@ -139,8 +150,8 @@ class Replicated(Rule):
     def shape(self, ctx):
         return next(iter(self.source_shapes(ctx).values()))
 
-    def chunks(self, ctx, reader):
-        yield reader.ref(ctx.name(self.src))
+    def geometry(self, ctx, fused=False):
+        return _whole(ctx.name(self.src))
 
 
 @dataclass(frozen=True)
@@ -166,12 +177,14 @@ class Split(Rule):
         full[self.dim] //= ctx.tp
         return tuple(full)
 
-    def chunks(self, ctx, reader):
+    def geometry(self, ctx, fused=False):
         out, inp = self._full(ctx)
+        src = ctx.name(self.src)
         if self.dim == 0:
-            yield reader.ref(ctx.name(self.src), (_chunk(out, ctx.tp, ctx.tp_rank),))
+            part = Part(src, rows=chunk(out, ctx.tp, ctx.tp_rank))
         else:
-            yield reader.ref(ctx.name(self.src), (slice(None), _chunk(inp, ctx.tp, ctx.tp_rank)))
+            part = Part(src, cols=chunk(inp, ctx.tp, ctx.tp_rank))
+        return Geometry(COLUMN if self.dim == 0 else ROW, ((part,),), (src,), quantizable=True)
 
 
 @dataclass(frozen=True)
@@ -210,13 +223,13 @@ class QKV(Rule):
         rows = (s.num_heads // ctx.tp + 2 * kv_heads) * s.head_dim
         return (rows, *self._tail(ctx))
 
-    def chunks(self, ctx, reader):
+    def geometry(self, ctx, fused=False):
         s = ctx.spec
-        q_rows = _chunk(s.num_heads * s.head_dim, ctx.tp, ctx.tp_rank)
-        yield reader.ref(ctx.name(self.q), (q_rows,))
+        q, k, v = ctx.name(self.q), ctx.name(self.k), ctx.name(self.v)
         rows = self.kv_rows(ctx)
-        yield reader.ref(ctx.name(self.k), (rows,))
-        yield reader.ref(ctx.name(self.v), (rows,))
+        parts = (Part(q, rows=chunk(s.num_heads * s.head_dim, ctx.tp, ctx.tp_rank)),
+                 Part(k, rows=rows), Part(v, rows=rows))
+        return Geometry(COLUMN, (parts,), (q, k, v), quantizable=not self.bias)
 
 
 @dataclass(frozen=True)
@@ -237,10 +250,11 @@ class GatedPair(Rule):
     def shape(self, ctx):
         return (2 * _size(ctx.spec, self.inter_dim) // ctx.tp, ctx.spec.hidden_size)
 
-    def chunks(self, ctx, reader):
-        rows = _chunk(_size(ctx.spec, self.inter_dim), ctx.tp, ctx.tp_rank)
-        yield reader.ref(ctx.name(self.up), (rows,))
-        yield reader.ref(ctx.name(self.gate), (rows,))
+    def geometry(self, ctx, fused=False):
+        rows = chunk(_size(ctx.spec, self.inter_dim), ctx.tp, ctx.tp_rank)
+        up, gate = ctx.name(self.up), ctx.name(self.gate)
+        return Geometry(COLUMN, ((Part(up, rows=rows), Part(gate, rows=rows)),), (up, gate),
+                        quantizable=True)
 
 
 @dataclass(frozen=True)
@@ -258,15 +272,26 @@ class Router(Rule):
     def shape(self, ctx):
         return (_size(ctx.spec, self.rows), ctx.spec.hidden_size)
 
-    def chunks(self, ctx, reader):
-        yield reader.ref(ctx.name(self.src))
+    def geometry(self, ctx, fused=False):
+        return _whole(ctx.name(self.src))
 
 
 @dataclass(frozen=True)
-class ExpertsGatedPair(Rule):
-    """MoE ``mlp.fc``: ``[E_local, 2*I/moe_tp, H]``, per expert ``[up_r; gate_r]``."""
+class _Experts(Rule):
+    """A rule over a layer's routed experts (their shapes are checked by ``expert_shapes``)."""
 
     experts: ExpertSource
+
+    def source_shapes(self, ctx):
+        return {}
+
+    def fused(self, ctx, reader):
+        return self.experts.fused(ctx, reader)
+
+
+@dataclass(frozen=True)
+class ExpertsGatedPair(_Experts):
+    """MoE ``mlp.fc``: ``[E_local, 2*I/moe_tp, H]``, per expert ``[up_r; gate_r]``."""
 
     def sources(self, ctx, reader):
         e = self.experts
@@ -274,9 +299,6 @@ class ExpertsGatedPair(Rule):
             return [ctx.name(e.fused_gate_up)]
         n = ctx.spec.num_experts
         return [ctx.name(t, expert=x) for x in range(n) for t in (e.up, e.gate)]
-
-    def source_shapes(self, ctx):
-        return {}
 
     def expert_shapes(self, ctx, reader) -> dict[str, tuple[int, ...]]:
         s, e = ctx.spec, self.experts
@@ -291,35 +313,32 @@ class ExpertsGatedPair(Rule):
         return (s.num_experts // m.moe_ep, 2 * s.expert_intermediate_size // m.moe_tp,
                 s.hidden_size)
 
-    def chunks(self, ctx, reader):
+    def geometry(self, ctx, fused=False):
         s, m, e = ctx.spec, ctx.mapping, self.experts
         inter = s.expert_intermediate_size
-        rows = _chunk(inter, m.moe_tp, m.moe_tp_rank(ctx.rank))
-        fused = e.fused(ctx, reader)
-        for x in m.ep_experts(s.num_experts, ctx.rank):
-            if fused:
-                name = ctx.name(e.fused_gate_up)
-                yield reader.ref(name, (x, slice(inter + rows.start, inter + rows.stop)))
-                yield reader.ref(name, (x, rows))
-            else:
-                yield reader.ref(ctx.name(e.up, expert=x), (rows,))
-                yield reader.ref(ctx.name(e.gate, expert=x), (rows,))
+        rows = chunk(inter, m.moe_tp, m.moe_tp_rank(ctx.rank))
+        local = m.ep_experts(s.num_experts, ctx.rank)
+        if fused:
+            name = ctx.name(e.fused_gate_up)
+            up_rows = slice(inter + rows.start, inter + rows.stop)
+            groups = tuple((Part(name, rows=up_rows, expert=x), Part(name, rows=rows, expert=x))
+                           for x in local)
+            return Geometry(COLUMN, groups, (name,), experts=True, quantizable=True)
+        groups = tuple((Part(ctx.name(e.up, expert=x), rows=rows),
+                        Part(ctx.name(e.gate, expert=x), rows=rows)) for x in local)
+        every = tuple(ctx.name(t, expert=x) for x in range(s.num_experts) for t in (e.up, e.gate))
+        return Geometry(COLUMN, groups, every, experts=True, quantizable=True)
 
 
 @dataclass(frozen=True)
-class ExpertsDown(Rule):
+class ExpertsDown(_Experts):
     """MoE ``mlp.proj``: ``[E_local, H, I/moe_tp]``."""
-
-    experts: ExpertSource
 
     def sources(self, ctx, reader):
         e = self.experts
         if e.fused(ctx, reader):
             return [ctx.name(e.fused_down)]
         return [ctx.name(e.down, expert=x) for x in range(ctx.spec.num_experts)]
-
-    def source_shapes(self, ctx):
-        return {}
 
     def expert_shapes(self, ctx, reader) -> dict[str, tuple[int, ...]]:
         s, e = ctx.spec, self.experts
@@ -333,15 +352,17 @@ class ExpertsDown(Rule):
         s, m = ctx.spec, ctx.mapping
         return (s.num_experts // m.moe_ep, s.hidden_size, s.expert_intermediate_size // m.moe_tp)
 
-    def chunks(self, ctx, reader):
+    def geometry(self, ctx, fused=False):
         s, m, e = ctx.spec, ctx.mapping, self.experts
-        cols = _chunk(s.expert_intermediate_size, m.moe_tp, m.moe_tp_rank(ctx.rank))
-        fused = e.fused(ctx, reader)
-        for x in m.ep_experts(s.num_experts, ctx.rank):
-            if fused:
-                yield reader.ref(ctx.name(e.fused_down), (x, slice(None), cols))
-            else:
-                yield reader.ref(ctx.name(e.down, expert=x), (slice(None), cols))
+        cols = chunk(s.expert_intermediate_size, m.moe_tp, m.moe_tp_rank(ctx.rank))
+        local = m.ep_experts(s.num_experts, ctx.rank)
+        if fused:
+            name = ctx.name(e.fused_down)
+            groups = tuple((Part(name, cols=cols, expert=x),) for x in local)
+            return Geometry(ROW, groups, (name,), experts=True, quantizable=True)
+        groups = tuple((Part(ctx.name(e.down, expert=x), cols=cols),) for x in local)
+        every = tuple(ctx.name(e.down, expert=x) for x in range(s.num_experts))
+        return Geometry(ROW, groups, every, experts=True, quantizable=True)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -368,14 +389,14 @@ class VocabSplit(Rule):
     def shape(self, ctx):
         return (padded_vocab(ctx.spec.vocab_size, ctx.tp) // ctx.tp, ctx.spec.hidden_size)
 
-    def chunks(self, ctx, reader):
+    def geometry(self, ctx, fused=False):
         rows, hidden = self.shape(ctx)
         start = ctx.tp_rank * rows
         stop = max(start, min(start + rows, ctx.spec.vocab_size))
-        if stop > start:
-            yield reader.ref(self._src(ctx), (slice(start, stop),))
-        if start + rows > stop:
-            yield Zeros(start + rows - stop, hidden)
+        src = self._src(ctx)
+        parts = (Part(src, rows=slice(start, stop)),) if stop > start else ()
+        padding = Zeros(start + rows - stop, hidden) if start + rows > stop else None
+        return Geometry(COLUMN, (parts,), (src,), padding=padding)
 
 
 def _size(spec: ModelSpec, dim: str | int) -> int:

@@ -27,10 +27,11 @@ KV cache (FP8 / INT8)   ``attention.kv_cache_scaling_factor`` [1] = max(k_scale,
                         (FP8 clamped to >= 1, as modelopt's TensorRT-LLM export does).
 ======================  ==================================================================
 
-Sharding is the unquantized one (:mod:`moepipe.arch.rules`): column-parallel scales follow their
-rows, row-parallel AWQ scales and pre-quant scales follow the input slice, per-tensor scales are
-replicated. Every value is computed from the whole source tensors, so any mapping holds exactly
-the same quantized values as tp=1.
+Sharding is the unquantized one: each rule's :class:`~moepipe.arch.geometry.Geometry` (the same
+description the plain conversion streams) says which rows / columns of which module a rank takes;
+column-parallel scales follow their rows, row-parallel AWQ scales and pre-quant scales follow the
+input slice, per-tensor scales are replicated. Every value is computed from the whole source
+tensors, so any mapping holds exactly the same quantized values as tp=1.
 """
 
 from __future__ import annotations
@@ -38,79 +39,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from moepipe.arch.rules import (
-    QKV,
-    ExpertsDown,
-    ExpertsGatedPair,
-    GatedPair,
-    RankContext,
-    Rule,
-    Split,
-    _chunk,
-)
+from moepipe.arch.geometry import COLUMN, ROW, Geometry, Part
+from moepipe.arch.rules import RankContext, Rule
 from moepipe.checkpoints.modelopt import AWQ, FP8, FP8_MAX, GROUP, SQ, QuantInfo
 from moepipe.checkpoints.st_io import DTYPES, F32, DType
 from moepipe.errors import MappingError, UnsupportedError
 
 
-def _module(weight: str) -> str:
-    return weight.removesuffix(".weight")
-
-
-# -- geometry: which source rows / columns a rank's tensor is made of ------------------------
-@dataclass(frozen=True)
-class Part:
-    module: str  # HF module path (layer and expert filled in)
-    rows: slice | None  # column-parallel: logical output rows
-    cols: slice | None  # row-parallel: input columns
-
-
-def column_parts(base: Rule, ctx: RankContext) -> list[list[Part]]:
-    """Groups (one per expert, or one) of parts stacked along the output rows."""
-    s, m = ctx.spec, ctx.mapping
-    if isinstance(base, QKV):
-        q = Part(_module(ctx.name(base.q)), _chunk(s.num_heads * s.head_dim, ctx.tp,
-                                                      ctx.tp_rank), None)
-        kv = base.kv_rows(ctx)
-        return [[q, Part(_module(ctx.name(base.k)), kv, None),
-                 Part(_module(ctx.name(base.v)), kv, None)]]
-    if isinstance(base, GatedPair):
-        rows = _chunk(getattr(s, base.inter_dim), ctx.tp, ctx.tp_rank)
-        return [[Part(_module(ctx.name(base.up)), rows, None),
-                 Part(_module(ctx.name(base.gate)), rows, None)]]
-    if isinstance(base, ExpertsGatedPair):
-        rows = _chunk(s.expert_intermediate_size, m.moe_tp, m.moe_tp_rank(ctx.rank))
-        e = base.experts
-        return [[Part(_module(ctx.name(e.up, expert=x)), rows, None),
-                 Part(_module(ctx.name(e.gate, expert=x)), rows, None)]
-                for x in m.ep_experts(s.num_experts, ctx.rank)]
-    raise TypeError(base)
-
-
-def row_parts(base: Rule, ctx: RankContext) -> list[Part]:
-    """One part per expert (or one) sliced along the input columns."""
-    s, m = ctx.spec, ctx.mapping
-    if isinstance(base, Split) and base.dim == 1:
-        cols = _chunk(getattr(s, base.in_dim), ctx.tp, ctx.tp_rank)
-        return [Part(_module(ctx.name(base.src)), None, cols)]
-    if isinstance(base, ExpertsDown):
-        cols = _chunk(s.expert_intermediate_size, m.moe_tp, m.moe_tp_rank(ctx.rank))
-        return [Part(_module(ctx.name(base.experts.down, expert=x)), None, cols)
-                for x in m.ep_experts(s.num_experts, ctx.rank)]
-    raise TypeError(base)
-
-
-def is_column(base: Rule) -> bool:
-    return isinstance(base, (QKV, GatedPair, ExpertsGatedPair)) and not getattr(base, "bias",
-                                                                               False)
-
-
-def is_row(base: Rule) -> bool:
-    return isinstance(base, ExpertsDown) or (isinstance(base, Split) and base.dim == 1)
-
-
-def is_expert(base: Rule) -> bool:
-    return isinstance(base, (ExpertsGatedPair, ExpertsDown))
+def _quantizable(geo: Geometry) -> bool:
+    return geo.quantizable and geo.parallel in (COLUMN, ROW)
 
 
 # -- the tensors ----------------------------------------------------------------------------
@@ -125,16 +62,12 @@ class QTensor(Rule):
     model_dtype: DType = field(default=F32, kw_only=True)
 
     def sources(self, ctx, reader):
-        return [n for p in self._flat(ctx) for n in (f"{p.module}.weight",)] \
-            + [n for p in self._flat(ctx) for n in _companions(p.module, reader)]
+        parts = self.base.geometry(ctx).parts()
+        return [n for p in parts for n in (f"{p.module}.weight",)] \
+            + [n for p in parts for n in _companions(p.module, reader)]
 
     def source_shapes(self, ctx):
         return {}
-
-    def _flat(self, ctx) -> list[Part]:
-        if is_column(self.base):
-            return [p for group in column_parts(self.base, ctx) for p in group]
-        return row_parts(self.base, ctx)
 
     def out_dtype(self, ctx) -> DType:
         if self.kind == "weight":
@@ -145,7 +78,7 @@ class QTensor(Rule):
 
     def shape(self, ctx) -> tuple[int, ...]:
         base_shape = self.base.shape(ctx)
-        experts = base_shape[0] if is_expert(self.base) else None
+        experts = base_shape[0] if self.base.geometry(ctx).experts else None
         out, inp = base_shape[-2], base_shape[-1]
         lead = (experts,) if experts is not None else ()
         k, a = self.kind, self.algo
@@ -167,8 +100,9 @@ class QTensor(Rule):
         import torch
 
         k, a = self.kind, self.algo
-        if is_column(self.base):
-            groups = column_parts(self.base, ctx)
+        geo = self.base.geometry(ctx)
+        if geo.parallel == COLUMN:
+            groups = geo.groups
             if k == "weight":
                 for group in groups:
                     target = _group_scale(group, reader) if a == FP8 else None
@@ -183,15 +117,14 @@ class QTensor(Rule):
                         for p in group:
                             yield reader.read(f"{p.module}.weight_scale", (p.rows,))
             elif k == "activation_scaling_factor":
-                yield torch.tensor(_input_scale_max(self.base, ctx, reader)).reshape(
-                    self.shape(ctx))
+                yield torch.tensor(_input_scale_max(geo, reader)).reshape(self.shape(ctx))
             elif k == "prequant_scaling_factor":
                 for group in groups:
                     yield _pqs(group[0].module, reader, ctx.spec.hidden_size)
             else:
                 raise ValueError(k)
             return
-        parts = row_parts(self.base, ctx)
+        parts = geo.parts()
         if k == "weight":
             for p in parts:
                 yield reader.ref(f"{p.module}.weight", (slice(None), p.cols))
@@ -207,8 +140,7 @@ class QTensor(Rule):
                 for p in parts:
                     yield reader.read(f"{p.module}.weight_scale", (slice(None), blocks))
         elif k == "activation_scaling_factor":
-            yield torch.tensor(_input_scale_max(self.base, ctx, reader)).reshape(
-                self.shape(ctx))
+            yield torch.tensor(_input_scale_max(geo, reader)).reshape(self.shape(ctx))
         elif k == "prequant_scaling_factor":
             for p in parts:
                 yield _pqs(p.module, reader, None)[p.cols]
@@ -225,7 +157,7 @@ def _scale(reader, name: str) -> float:
     return float(reader.read(name).float().reshape(-1)[0])
 
 
-def _group_scale(group: list[Part], reader) -> float:
+def _group_scale(group: tuple[Part, ...], reader) -> float:
     """FP8 parts fused into one tensor share the largest weight scale."""
     return max(_scale(reader, f"{p.module}.weight_scale") for p in group)
 
@@ -233,32 +165,23 @@ def _group_scale(group: list[Part], reader) -> float:
 def _column_weight(p: Part, reader, algo: str, target: float | None):
     import torch
 
+    rows = p.rows if p.rows is not None else slice(None)  # column parts always have rows
     if algo == AWQ:  # two logical rows per packed row
-        rows = slice(p.rows.start // 2, p.rows.stop // 2)
-        return reader.read(f"{p.module}.weight", (rows,)).view(torch.int8)
-    w = reader.read(f"{p.module}.weight", (p.rows,))
-    if algo == FP8:
+        packed = slice(rows.start // 2, rows.stop // 2)
+        return reader.read(f"{p.module}.weight", (packed,)).view(torch.int8)
+    w = reader.read(f"{p.module}.weight", (rows,))
+    if algo == FP8 and target is not None:
         own = _scale(reader, f"{p.module}.weight_scale")
         if own != target:  # requantize to the shared scale
             w = (w.float() * (own / target)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return w
 
 
-def _input_scale_max(base: Rule, ctx: RankContext, reader) -> float:
+def _input_scale_max(geo: Geometry, reader) -> float:
     """One activation scale per fused tensor; for experts the max over ALL experts (the same on
     every rank, as TensorRT-LLM's MoE takes one scale per layer)."""
-    s = ctx.spec
-    if isinstance(base, (ExpertsGatedPair, ExpertsDown)):
-        e = base.experts
-        names = [ctx.name(t, expert=x) for x in range(s.num_experts)
-                 for t in ((e.up, e.gate) if isinstance(base, ExpertsGatedPair) else (e.down,))]
-    elif isinstance(base, QKV):
-        names = [ctx.name(base.q), ctx.name(base.k), ctx.name(base.v)]
-    elif isinstance(base, GatedPair):
-        names = [ctx.name(base.up), ctx.name(base.gate)]
-    else:
-        names = [ctx.name(base.src)]
-    return max(_scale(reader, f"{_module(n)}.input_scale") for n in names)
+    return max(_scale(reader, f"{n.removesuffix('.weight')}.input_scale")
+               for n in geo.layer_sources)
 
 
 def _pqs(module: str, reader, size: int | None):
@@ -275,13 +198,15 @@ def _pqs(module: str, reader, size: int | None):
 
 @dataclass(frozen=True)
 class KvScale(Rule):
-    qkv: QKV
+    """``attention.kv_cache_scaling_factor`` from the k/v projections' k_scale / v_scale."""
+
+    qkv: Rule  # the attention.qkv.weight rule
     kv_algo: str
     float32: bool = field(default=True, kw_only=True)
 
     def sources(self, ctx, reader):
-        return [f"{_module(ctx.name(self.qkv.k))}.k_scale",
-                f"{_module(ctx.name(self.qkv.v))}.v_scale"]
+        _, k, v = self.qkv.geometry(ctx).layer_sources  # q, k, v
+        return [f"{k.removesuffix('.weight')}.k_scale", f"{v.removesuffix('.weight')}.v_scale"]
 
     def source_shapes(self, ctx):
         return {}
@@ -310,36 +235,32 @@ KINDS = {
 def quantized_rules(suffix: str, rule: Rule, reader, ctx: RankContext, info: QuantInfo,
                     dtype: DType) -> dict[str, Rule]:
     """TensorRT-LLM tensors for one family rule of a quantized checkpoint (suffix -> rule)."""
+    extra: dict[str, Rule]
     if suffix == "attention.qkv.weight" and info.kv_algo is not None:
         extra = {"attention.kv_cache_scaling_factor": KvScale(rule, info.kv_algo)}
     else:
         extra = {}
-    if not (is_column(rule) or is_row(rule)) or not _is_quantized(rule, ctx, reader):
+    geo = rule.geometry(ctx)
+    if not _quantizable(geo) or not reader.has(f"{geo.parts()[0].module}.weight_scale"):
         return {suffix: rule, **extra}
     if info.algo == AWQ:
-        _check_awq_split(rule, ctx)
-    if info.algo == SQ and is_expert(rule):
+        _check_awq_split(geo)
+    if info.algo == SQ and geo.experts:
         raise UnsupportedError(
             f"this int8_sq (SmoothQuant) checkpoint has quantized routed experts ({suffix}); "
             "TensorRT-LLM 1.2 has no SmoothQuant MoE (it keeps the MoE block in the model "
             "dtype)", "quantize with moepipe (its int8_sq leaves the routed experts "
             "unquantized), or use fp8 / int4_awq")
     prefix = suffix.removesuffix(".weight")
-    return {f"{prefix}.{k}": QTensor(rule, k, info.algo, model_dtype=dtype)
-            for k in KINDS[info.algo]} | extra
+    tensors: dict[str, Rule] = {f"{prefix}.{k}": QTensor(rule, k, info.algo, model_dtype=dtype)
+                                for k in KINDS[info.algo]}
+    return tensors | extra
 
 
-def _is_quantized(rule: Rule, ctx: RankContext, reader) -> bool:
-    parts = [p for g in column_parts(rule, ctx) for p in g] if is_column(rule) \
-        else row_parts(rule, ctx)
-    return reader.has(f"{parts[0].module}.weight_scale")
-
-
-def _check_awq_split(rule: Rule, ctx: RankContext) -> None:
-    if is_row(rule):
-        width = row_parts(rule, ctx)[0].cols
-        if (width.stop - width.start) % GROUP:
-            raise MappingError(
-                f"int4_awq: a rank's slice of the row-parallel input has "
-                f"{width.stop - width.start} channels, not a multiple of the AWQ block {GROUP}",
-                "use a smaller tp / moe_tp (or expert parallelism) for this model")
+def _check_awq_split(geo: Geometry) -> None:
+    width = geo.parts()[0].cols
+    if geo.parallel == ROW and width is not None and (width.stop - width.start) % GROUP:
+        raise MappingError(
+            f"int4_awq: a rank's slice of the row-parallel input has "
+            f"{width.stop - width.start} channels, not a multiple of the AWQ block {GROUP}",
+            "use a smaller tp / moe_tp (or expert parallelism) for this model")

@@ -22,8 +22,9 @@ from typing import Any
 
 from moepipe import __version__
 from moepipe.arch.family import Family
+from moepipe.arch.geometry import Zeros
 from moepipe.arch.hf import HFCheckpoint, open_hf_checkpoint
-from moepipe.arch.rules import ExpertsDown, ExpertsGatedPair, RankContext, Rule, SliceRef, Zeros
+from moepipe.arch.rules import RankContext, Rule, SliceRef
 from moepipe.arch.spec import ModelSpec
 from moepipe.checkpoints.hashcache import remember
 from moepipe.checkpoints.modelopt import QuantInfo
@@ -168,8 +169,7 @@ def _plan_one(name, rule, ctx, reader, sources, expected) -> PlannedTensor:
     srcs = rule.sources(ctx, reader)
     sources.update(srcs)
     shapes = dict(rule.source_shapes(ctx))
-    if isinstance(rule, (ExpertsGatedPair, ExpertsDown)):
-        shapes.update(rule.expert_shapes(ctx, reader))
+    shapes.update(rule.expert_shapes(ctx, reader))
     expected.update(shapes)
     return PlannedTensor(name, rule.shape(ctx), rule.out_dtype(ctx), rule, ctx)
 
