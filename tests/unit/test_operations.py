@@ -347,6 +347,8 @@ def test_dashboard_reads_only_exported_metrics(tmp_path, target):
         assert wanted in titles
     if target == "cpu":
         assert "Expert activation" in titles and "Expert balance per layer" in titles
+        assert "Time to first token" in titles and "KV cache used" in titles
+        assert "Batch slots" in titles and "Request latency histogram" in titles
     if target == "trtllm-engine":
         assert "Time to first token" in titles and "KV cache used" in titles
 

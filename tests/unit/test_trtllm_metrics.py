@@ -13,9 +13,15 @@ from moepipe.serving import trtllm_metrics as tm
 class FakeEngine:
     max_batch_size: int = 4
     max_seq_len: int = 100  # 4 blocks of 32 per slot
-    running_tokens: list = field(default_factory=lambda: [5, 33, 64])
+    held: list = field(default_factory=lambda: [5, 33, 64])
     waiting: int = 2
     last_step: tuple = (3, 1)
+
+    def running_tokens(self):
+        return self.held
+
+    def load(self):
+        return {"waiting": self.waiting}
 
 
 def test_families_are_upstreams():
@@ -55,7 +61,7 @@ class FakePb:
 
 def test_published_series_carry_model_version_and_category_labels():
     metrics = tm.TrtllmMetrics(FakePb, "tensorrt_llm", "1")
-    metrics.publish(FakeEngine())
+    metrics.publish(tm.iteration_values(FakeEngine()))
     g = metrics.gauges["nv_trt_llm_request_metrics"]["waiting"]
     assert g.labels == {"model": "tensorrt_llm", "version": "1", "request_type": "waiting"}
     assert g.value == 2.0

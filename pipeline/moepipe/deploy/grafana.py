@@ -30,6 +30,7 @@ class Panel:
     description: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     repeat: str | None = None
+    fallback: bool = False  # only with deploy.fallback (the BLS model exports it then)
 
 
 def _rate(metric: str, by: str = "model") -> str:
@@ -53,6 +54,14 @@ PANELS = (
     Panel("First-response latency histogram", "heatmap",
           ((f"sum by (le) (rate(nv_inference_first_response_histogram_ms_bucket{SEL}{RI}))",
             "{{le}}"),), "ms", options={"calculate": False, "yAxis": {"unit": "ms"}}),
+    # The cpu target measures inside its model (moepipe.serving.metrics), in seconds.
+    Panel("Time to first token (p50 / p99, at the model)", "timeseries",
+          tuple((f"histogram_quantile({q}, sum by (le, model) "
+                 f"(rate(moepipe_time_to_first_token_seconds_bucket{SEL}{RI})))",
+                 f"{{{{model}}}} p{int(q * 100)}") for q in (0.5, 0.99)), "s"),
+    Panel("Request latency histogram (at the model)", "heatmap",
+          ((f"sum by (le) (rate(moepipe_request_latency_seconds_bucket{SEL}{RI}))", "{{le}}"),),
+          "s", options={"calculate": False, "yAxis": {"unit": "s"}}),
     Panel("Queue time per request", "timeseries",
           ((f"{_rate('nv_inference_queue_duration_us')} / 1000 / clamp_min("
             f"{_rate('nv_inference_request_success')}, 1e-9)", "{{model}}"),), "ms"),
@@ -68,6 +77,9 @@ PANELS = (
           ((f"sum by (model) (moepipe_running_requests{SEL})", "{{model}}"),)),
     Panel("Generated tokens / s", "timeseries",
           ((_rate("moepipe_generated_tokens_total"), "{{model}}"),), "short"),
+    Panel("Requests sent to the fallback (deploy.fallback)", "timeseries",
+          ((f"sum by (reason) (rate(moepipe_fallback_requests_total{RI}))", "{{reason}}"),),
+          "reqps", fallback=True),
     Panel("Expert activation, layer $layer (tokens / s per expert)", "heatmap",
           ((f"sum by (expert) (rate(moepipe_expert_tokens_total{{layer=~\"$layer\"}}{RI}))",
             "{{expert}}"),), "short", width=12, repeat="layer",
@@ -80,10 +92,10 @@ PANELS = (
 )
 
 
-def panels_for(target: str) -> list[Panel]:
+def panels_for(target: str, fallback: bool = False) -> list[Panel]:
     exported = EXPORTED[target]
-    return [p for p in PANELS
-            if all(metrics_in(expr) <= exported for expr, _ in p.queries)]
+    return [p for p in PANELS if (fallback or not p.fallback)
+            and all(metrics_in(expr) <= exported for expr, _ in p.queries)]
 
 
 def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
@@ -112,8 +124,8 @@ def _variable(name: str, query: str, multi: bool = True) -> dict[str, Any]:
             "includeAll": True, "multi": multi, "current": {}, "sort": 3}
 
 
-def dashboard(target: str, title: str, uid: str) -> dict[str, Any]:
-    chosen = panels_for(target)
+def dashboard(target: str, title: str, uid: str, fallback: bool = False) -> dict[str, Any]:
+    chosen = panels_for(target, fallback)
     panels, x, y = [], 0, 0
     for i, p in enumerate(chosen, start=1):
         if x + p.width > 24:

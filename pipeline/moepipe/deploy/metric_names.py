@@ -59,7 +59,7 @@ TRTLLM_FAMILIES = {
 TRTLLM_BACKEND = {*TRTLLM_FAMILIES, *_histogram("nv_llm_input_token_len"),
                   *_histogram("nv_llm_output_token_len")}
 # The cpu target's own (model_repo/targets/cpu/.../tensorrt_llm/1/model.py) and the
-# TensorRT-LLM families it also exports, with the same labels.
+# TensorRT-LLM families it also exports, with the same labels (moepipe.serving.trtllm_metrics).
 MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
                "moepipe_running_requests",
                # moepipe.serving.metrics (HISTOGRAMS, GAUGES)
@@ -67,11 +67,13 @@ MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
                *_histogram("moepipe_time_to_first_token_seconds"),
                *_histogram("moepipe_queue_time_seconds"), "moepipe_batch_occupancy",
                "moepipe_queued_requests", "moepipe_kv_slots_used", "moepipe_kv_slots_total",
-               "moepipe_kv_tokens_used"}
+               "moepipe_kv_tokens_used",
+               # the BLS model with deploy.fallback (tensorrt_llm_bls/1/overload.py)
+               "moepipe_fallback_requests_total", "moepipe_circuit_state"}
 CPU_TRTLLM_FAMILIES = ("nv_trt_llm_request_metrics", "nv_trt_llm_kv_cache_block_metrics")
 
 EXPORTED = {
-    "cpu": TRITON_CORE | MOEPIPE_CPU,
+    "cpu": TRITON_CORE | MOEPIPE_CPU | set(CPU_TRTLLM_FAMILIES),
     "trtllm-engine": TRITON_CORE | TRITON_GPU | TRTLLM_BACKEND,
     # TensorRT-LLM's LLM-API Python model registers no nv_trt_llm_* metrics.
     "trtllm-pytorch": TRITON_CORE | TRITON_GPU,

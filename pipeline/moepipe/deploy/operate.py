@@ -120,7 +120,8 @@ def render_operations(cfg: MoepipeConfig, art, out: Path) -> list[Path]:
         "prometheus-adapter.yaml": monitoring.dump(monitoring.adapter_rules(
             kc.autoscale_metric)),
         "grafana-dashboard.json": json.dumps(grafana.dashboard(
-            cfg.target, f"moepipe {pod.name} ({cfg.target})", f"moepipe-{pod.name}"),
+            cfg.target, f"moepipe {pod.name} ({cfg.target})", f"moepipe-{pod.name}",
+            fallback=cfg.deploy.fallback is not None),
             indent=2) + "\n",
     }
     for name, text in files.items():

@@ -45,6 +45,7 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.stats = {"sequences": 0, "prefills": 0, "forward_s": 0.0}
+        self.last_step = (0, 0)  # (scheduled, context) requests of the latest step
 
     # -- public, thread-safe -------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> None:
@@ -84,6 +85,10 @@ class Batcher:
                 "waiting": len(self._waiting) + self._incoming.qsize(),
                 "slots_used": self.max_batch_size - len(self._free),
                 "kv_tokens": sum(len(r.prompt) + len(r.generated) for r in running)}
+
+    def running_tokens(self) -> list[int]:
+        """Tokens each running request holds in its KV-cache slot."""
+        return [len(r.prompt) + len(r.generated) for r in list(self._running)]
 
     # -- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -145,6 +150,7 @@ class Batcher:
             self._advance(batch, logits)
             self._running.extend(r for r in admitted if r.slot >= 0)
         self._running = [r for r in self._running if r.slot >= 0]
+        self.last_step = (len(batch), len(admitted))
         self.steps += 1
         if self.on_step is not None:  # told whether the engine is now idle
             self.on_step(self.model, not self._running and not self._waiting)

@@ -42,22 +42,19 @@ KV_CACHE = ("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics
 class EngineView(Protocol):
     max_batch_size: int
     max_seq_len: int
+    last_step: tuple[int, int]  # (scheduled, context) requests of the latest step
 
-    @property
     def running_tokens(self) -> list[int]: ...
 
-    @property
-    def waiting(self) -> int: ...
-
-    @property
-    def last_step(self) -> tuple[int, int]: ...
+    def load(self) -> dict[str, int]: ...
 
 
 def iteration_values(engine: EngineView) -> dict[str, dict[str, float]]:
-    """family name -> category value -> gauge value, for the engine's latest step."""
-    held = engine.running_tokens
+    """family name -> category value -> gauge value, for the engine's latest step (call it on
+    the engine thread: a consistent snapshot)."""
+    held = engine.running_tokens()
     scheduled, context = engine.last_step
-    active = len(held) + engine.waiting
+    active = len(held) + engine.load()["waiting"]
     per_slot = math.ceil(engine.max_seq_len / TOKENS_PER_BLOCK)
     max_blocks = engine.max_batch_size * per_slot
     used = sum(math.ceil(n / TOKENS_PER_BLOCK) for n in held)
@@ -83,7 +80,14 @@ class TrtllmMetrics:
             self.gauges[name] = {v: family.Metric(labels={"model": model, "version": version,
                                                           label: v}) for v in values}
 
-    def publish(self, engine: EngineView) -> None:
-        for name, values in iteration_values(engine).items():
-            for key, value in values.items():
+    def publish(self, values: dict[str, dict[str, float]]) -> None:
+        """Set the gauges to :func:`iteration_values` (a call into the server per gauge: the
+        model makes it on the thread that makes its other metric calls)."""
+        for name, family in values.items():
+            for key, value in family.items():
                 self.gauges[name][key].set(float(value))
+
+    def close(self) -> None:
+        """Drop the metrics before their families (the Python backend's order)."""
+        self.gauges.clear()
+        self.families.clear()

@@ -28,6 +28,7 @@ from moepipe.serving import contract
 from moepipe.serving.batcher import Batcher
 from moepipe.serving.metrics import ServingMetrics
 from moepipe.serving.request import GenerationRequest, RequestError
+from moepipe.serving.trtllm_metrics import TrtllmMetrics, iteration_values
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Metrics are calls into the server: publish them at most this often, not every step.
@@ -68,6 +69,8 @@ class TritonPythonModel:
             kind=pb_utils.MetricFamily.GAUGE)
         self.running_metric = self.running_family.Metric(labels={"model": self.name})
         self.serving_metrics = ServingMetrics(pb_utils, self.name, int(cfg["max_batch_size"]))
+        # TensorRT-LLM's nv_trt_llm_request_metrics / nv_trt_llm_kv_cache_block_metrics.
+        self.trtllm_metrics = TrtllmMetrics(pb_utils, self.name, str(args["model_version"]))
         self._last_counts = model.expert_tokens.clone()
         self._tokens = 0
         self._published = 0.0
@@ -88,15 +91,22 @@ class TritonPythonModel:
         counts = model.expert_tokens.clone()
         delta = (counts - self._last_counts).tolist()
         self._last_counts = counts
+        tokens, self._tokens = self._tokens, 0
+        # Numbers are taken here, on the engine thread; the calls into the server are made on
+        # the outbox thread only (concurrent metric calls from two threads of one model can
+        # crash the Python backend).
+        self.outbox.put(self._publish_counts, delta, tokens, self.engine.active)
+        self.outbox.put(self.serving_metrics.publish, self.engine.load())
+        self.outbox.put(self.trtllm_metrics.publish, iteration_values(self.engine))
+
+    def _publish_counts(self, delta, tokens, active):
         for li, row in enumerate(delta):
             for e, n in enumerate(row):
                 if n:
                     self.expert_metrics[li][e].increment(n)
-        tokens, self._tokens = self._tokens, 0
         if tokens:
             self.tokens_metric.increment(tokens)
-        self.running_metric.set(self.engine.active)
-        self.outbox.put(self.serving_metrics.publish, self.engine.load())
+        self.running_metric.set(active)
 
     def execute(self, requests):
         # Both policies answer through response senders (non-decoupled: exactly one response),
@@ -218,6 +228,7 @@ class TritonPythonModel:
             f"sequences per step, {e.stats['prefills']} prefills, "
             f"{e.stats['forward_s']:.2f}s in forward")
         self.serving_metrics.close()
+        self.trtllm_metrics.close()
         del self.expert_metrics, self.tokens_metric, self.running_metric
 
 
