@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -80,7 +79,7 @@ def _kill_and_recover(cfg, pid, what):
     os.kill(pid, signal.SIGKILL)
     assert _wait(lambda: not _ready(cfg), timeout=10), "readiness still claimed"
     not_ready = time.monotonic() - killed
-    assert _wait(lambda: _ready(cfg) and _state(cfg)["restarts"] == restarts + 1)
+    assert _wait(lambda: _ready(cfg) and _state(cfg)["restarts"] > restarts)
     recovered = time.monotonic() - killed
     print(f"\n{what} killed: not ready after {not_ready:.2f}s, ready again after "
           f"{recovered:.1f}s")
@@ -93,7 +92,7 @@ def test_dead_model_process_turns_readiness_false_and_is_replaced(faulty):
     _kill_and_recover(cfg, stub, "tensorrt_llm backend process")
     assert not processes.alive(stub)
     status = json.loads(_cli("status", "--json", cwd=cfg.workdir).stdout)
-    assert status["running"] and status["supervised"] and status["restarts"] == 1
+    assert status["running"] and status["supervised"] and status["restarts"] >= 1
 
 
 def test_killed_server_is_restarted_and_leaves_no_orphans(faulty):
@@ -107,23 +106,28 @@ def test_killed_server_is_restarted_and_leaves_no_orphans(faulty):
 
 def test_stop_is_prompt_with_hung_requests_and_an_invalid_config(faulty):
     cfg = faulty
-    stub = _state(cfg)["models"]["tensorrt_llm_0_0"]
-    def hang():
-        try:
-            _generate(cfg, max_tokens=400, timeout=120)
-        except OSError:  # the stop cuts it off
-            pass
+    import http.client
 
-    hung = threading.Thread(target=hang, daemon=True)
-    hung.start()
-    time.sleep(0.3)
+    stub = _state(cfg)["models"]["tensorrt_llm_0_0"]
+    conn = http.client.HTTPConnection("127.0.0.1", cfg.deploy.http_port, timeout=120)
+    conn.request("POST", "/v2/models/ensemble/generate_stream",
+                 json.dumps({"text_input": "Call me Ishmael.", "stream": True,
+                             "max_tokens": cfg.build.max_seq_len - 32}),
+                 {"Content-Type": "application/json"})
+    assert conn.getresponse().readline().startswith(b"data:")  # generating now
+    from moepipe.deploy.lifecycle import _progress
+    from moepipe.deploy.state import read_state
+
+    # The engine's gauges are published every 0.5 s: hang it once they show the request.
+    assert _wait(lambda: (_progress(read_state(state_dir(cfg))) or (0,))[0] >= 1, timeout=10)
     os.kill(stub, signal.SIGSTOP)  # the engine hangs with the request in flight
     config = cfg.workdir / "moepipe.yaml"
     config.write_text(config.read_text() + "parallel: {tp: [half-written\n")
     proc = _cli("stop", cwd=cfg.workdir)
     assert proc.returncode == 0, proc.stderr
-    assert "forced: 1 request(s) in flight made no progress" in proc.stdout \
-        or "forced" not in proc.stdout  # the request may have finished before SIGSTOP
+    # Killed without waiting Triton's exit timeout (30 s), saying why.
+    assert "forced: " in proc.stdout and "exit timeout expired" not in proc.stdout
+    conn.close()
     assert "stopped tritonserver" in proc.stdout and "using the deployment recorded" in \
         proc.stderr
     assert _left(cfg) == []
@@ -140,10 +144,10 @@ def test_lost_server_json_and_orphans_after_sigkill(tmp_path):
         assert status["running"] and status["pid"] == pid and not status["recorded"]
         with pytest.raises(MoepipeError, match=f"already running for this workdir .pid {pid}"):
             run_deploy(cfg, echo=lambda s: None)
-        # The server dies hard (no supervisor to clean up): its stubs are orphaned.
+        # The server dies hard (no supervisor to clean up): its stubs are orphaned. Stopped
+        # first, they cannot notice and exit by themselves (as a busy one does not).
         for p in _left(cfg):
-            if p.kind != "stub":
-                os.kill(p.pid, signal.SIGKILL)
+            os.kill(p.pid, signal.SIGSTOP if p.kind == "stub" else signal.SIGKILL)
         assert _wait(lambda: not processes.alive(pid), timeout=10)
         assert [p for p in _left(cfg) if p.kind == "stub"], "no orphan to clean up"
         proc = _cli("stop", cwd=cfg.workdir)

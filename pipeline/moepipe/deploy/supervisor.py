@@ -52,8 +52,28 @@ def problem(state: ServerState) -> str | None:
     return f"the backend process of model {dead[0]} died" if dead else None
 
 
+def _wait_for_ports(state: ServerState, timeout: float = 15.0) -> None:
+    """A killed server's threads may still hold its sockets for a moment after its pid is a
+    zombie: wait until every port can be bound again."""
+    from moepipe.deploy.server import check_port
+
+    deadline = time.monotonic() + timeout
+    for what, port in (("http", state.http_port), ("grpc", state.grpc_port),
+                       ("metrics", state.metrics_port)):
+        while True:
+            try:
+                check_port(state.host, port, what)
+                break
+            except ServerError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
 def restart(state_dir: Path, old: ServerState) -> ServerState:
     from moepipe.deploy.server import start
+
+    _wait_for_ports(old)
 
     new = start(Path(old.repository), state_dir, host=old.host, http_port=old.http_port,
                 grpc_port=old.grpc_port, metrics_port=old.metrics_port,
