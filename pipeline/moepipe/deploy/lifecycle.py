@@ -248,7 +248,7 @@ def stop(state_dir: Path, repository: Path | None = None, grace: float | None = 
     processes.kill_all([p for p in procs if p.kind == "supervisor"])
     running = state is not None and processes.alive(state.pid)
     graceful, forced = True, None
-    if running:
+    if running and state is not None:
         graceful, forced = terminate(state, state.exit_timeout + 10 if grace is None else grace)
     # What is left: the server after SIGKILL, stubs a dead server left behind (same process
     # group, or naming the repository).

@@ -172,14 +172,18 @@ class ReferenceModel:
         self.lm_head = [self._get(last + t, "lm_head.weight") for t in range(m.tp)]
         self.expert_tokens = torch.zeros(ckpt.num_layers, self.num_experts, dtype=torch.long)
 
-    def _get(self, rank: int, name: str, optional: bool = False) -> torch.Tensor | None:
+    def _get(self, rank: int, name: str) -> torch.Tensor:
+        """A tensor the checkpoint must have (float32); a clear error when it is missing."""
         tensors = self.ckpt.ranks[rank]
         if name not in tensors:
-            if optional:
-                return None
             raise CheckpointError(f"{self.ckpt.path}: rank{rank}.safetensors lacks '{name}'",
                                   "the checkpoint does not match its config.json")
         return tensors[name].float()
+
+    def _opt(self, rank: int, name: str) -> torch.Tensor | None:
+        """A tensor the checkpoint may have (float32), else None."""
+        tensor = self.ckpt.ranks[rank].get(name)
+        return None if tensor is None else tensor.float()
 
     def _linear(self, rank: int, name: str, needed: bool = True):
         """(float weight, activation quantizer) of a linear layer, dequantized if needed."""
@@ -272,7 +276,7 @@ class ReferenceModel:
         q = q.view(-1, w.heads, hd)
         k = k.view(-1, w.kv_heads, hd)
         v = v.view(-1, w.kv_heads, hd)
-        if w.q_norm is not None:
+        if w.q_norm is not None and w.k_norm is not None:
             q = rms_norm(q, w.q_norm, self.eps)
             k = rms_norm(k, w.k_norm, self.eps)
         q = q * cos + _rotate_half(q) * sin
@@ -360,7 +364,8 @@ class ReferenceModel:
 
     @staticmethod
     def _shared_expert(x, layer: Layer, w: RankLayer, out: torch.Tensor) -> None:
-        if w.shared_fc is not None:
+        if w.shared_fc is not None and w.shared_proj is not None \
+                and layer.shared_gate is not None:
             up, gate = (w.quant("shared_fc", x) @ w.shared_fc.T).chunk(2, dim=-1)
             shared = w.quant("shared_proj", F.silu(gate) * up) @ w.shared_proj.T
             out += torch.sigmoid(x @ layer.shared_gate.T) * shared

@@ -11,6 +11,7 @@ their own modules; this one holds the correctness jobs and the registry.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,7 @@ def accuracy(ctx: JobContext) -> JobResult:
     tok, hf = state["tok"], state["hf"]
     eos = tok.eos_token_id
     for i, prompt in enumerate(v.prompts):
-        job.run(f"greedy_tokens_{i}", lambda p=prompt: _compare(ep, cfg, tok, hf, eos, p))
+        job.run(f"greedy_tokens_{i}", functools.partial(_compare, ep, cfg, tok, hf, eos, prompt))
     if v.min_token_agreement >= 1.0:
         job.run("ensemble_text", lambda: _text(ep, cfg, tok, hf, eos, v.prompts[0]))
     if cfg.target == "cpu" and cfg.quantize.format != "none":

@@ -90,9 +90,9 @@ class Report:
                       "failures": sum(c.status == "failed" for c in job.cases),
                       "errors": sum(c.status == "error" for c in job.cases),
                       "skipped": sum(c.status == "skipped" for c in job.cases)}
-            suite = ET.SubElement(root, "testsuite", name=job.job,
-                                  time=f"{sum(c.seconds for c in job.cases):.3f}",
-                                  **{k: str(v) for k, v in counts.items()})
+            suite = ET.SubElement(root, "testsuite", {
+                "name": job.job, "time": f"{sum(c.seconds for c in job.cases):.3f}",
+                **{k: str(v) for k, v in counts.items()}})
             for k, v in counts.items():
                 totals[k] += v
             for c in job.cases:
