@@ -162,6 +162,8 @@ def test_kubernetes_manifests_pass_kustomize_and_validators(tmp_path, target, ex
             assert probes == {"startupProbe": "/v2/health/ready",
                               "livenessProbe": "/v2/health/live",
                               "readinessProbe": "/v2/health/ready"}
+            if tmpl is pod_templates(docs)[0] and "Deployment" in kinds:
+                assert "--metrics-config=histogram_latencies=true" in c["command"]
             assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
                 "http": cfg.deploy.http_port, "grpc": cfg.deploy.grpc_port,
                 "metrics": cfg.deploy.metrics_port}

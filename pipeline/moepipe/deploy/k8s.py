@@ -116,7 +116,10 @@ def server_args(plan: PodPlan) -> list[str]:
             "--http-address=0.0.0.0", f"--http-port={p['http']}",
             "--grpc-address=0.0.0.0", f"--grpc-port={p['grpc']}",
             "--metrics-address=0.0.0.0", f"--metrics-port={p['metrics']}",
+            # Quantiles, and the first-response (TTFT) histogram the dashboard reads (Triton >=
+            # 24.x: the images of docker/versions.env).
             "--metrics-config=summary_latencies=true",
+            "--metrics-config=histogram_latencies=true",
             f"--exit-timeout-secs={plan.exit_timeout_s}"]
 
 
