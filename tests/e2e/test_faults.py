@@ -102,6 +102,8 @@ def test_killed_server_is_restarted_and_leaves_no_orphans(faulty):
     assert not [pid for pid in old["models"].values() if processes.alive(pid)]
     pids = {p.pid for p in _left(cfg)}
     assert _state(cfg)["pid"] in pids and not pids & set(old["models"].values())
+    # the restarted server's model processes are watched again (all of them)
+    assert _wait(lambda: set(old["models"]) <= set(_state(cfg)["models"]), timeout=20)
 
 
 def test_stop_is_prompt_with_hung_requests_and_an_invalid_config(faulty):

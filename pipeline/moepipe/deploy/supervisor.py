@@ -26,6 +26,7 @@ from moepipe.deploy.server import server_env
 from moepipe.deploy.state import ServerError, ServerState, read_state, write_state
 
 POLL_S = 0.5
+REFRESH_S = 5.0  # how often a healthy deployment's model processes are looked for again
 LOG = "supervisor.log"
 log = logging.getLogger("moepipe.supervisor")
 
@@ -50,6 +51,19 @@ def problem(state: ServerState) -> str | None:
         return f"tritonserver (pid {state.pid}) exited"
     dead = dead_models(state)
     return f"the backend process of model {dead[0]} died" if dead else None
+
+
+def _record_new_models(state_dir: Path, state: ServerState) -> None:
+    """Watch every model process of a healthy server, also one that was not visible when the
+    server became ready (seen after restarts: a model missing from the record could die
+    unnoticed)."""
+    stubs = {p.model: p.pid for p in processes.deployment_processes(state.repository, state.pid)
+             if p.kind == "stub" and p.model}
+    missing = {m: pid for m, pid in stubs.items() if m not in (state.models or {})}
+    if missing:
+        state.models = {**(state.models or {}), **missing}
+        write_state(state_dir, state)
+        log.info("now watching %s", ", ".join(sorted(missing)))
 
 
 def _wait_for_ports(state: ServerState, timeout: float = 15.0) -> None:
@@ -89,6 +103,7 @@ def run(state_dir: Path, repository: str) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *a: stopping.append(True))
     attempts, cause = 0, None
+    refreshed = 0.0
     while not stopping:
         state = read_state(state_dir)
         if state is None or state.repository != repository or \
@@ -97,6 +112,9 @@ def run(state_dir: Path, repository: str) -> int:
         why = problem(state)
         if why is None:
             attempts, cause = 0, None
+            if time.monotonic() - refreshed > REFRESH_S:
+                _record_new_models(state_dir, state)
+                refreshed = time.monotonic()
             time.sleep(POLL_S)
             continue
         failed_at = time.time()
