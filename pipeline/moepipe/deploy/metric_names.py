@@ -96,3 +96,24 @@ def metrics_in(expr: str) -> set[str]:
     text = re.sub(r"\$\w+", " ", text)
     return {m for m in _IDENT.findall(text) if m.lower() not in _KEYWORDS
             and not re.fullmatch(r"\d+[smhdwy]?|e\d+", m)}
+
+
+_EXPERT_SAMPLE = re.compile(r"^moepipe_expert_tokens_total\{([^}]*)\}\s+([0-9.eE+-]+)\s*$",
+                            re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def expert_token_counts(text: str) -> dict[tuple[int, int], float]:
+    """(layer, expert) -> tokens routed, from Prometheus text of the cpu target's
+    ``moepipe_expert_tokens_total{model,layer,expert}`` (summed over other labels; samples
+    without integer layer and expert labels are skipped). The one parser of these counters
+    (``validate``'s balance job and ``moepipe balance`` both read them)."""
+    out: dict[tuple[int, int], float] = {}
+    for labels, value in _EXPERT_SAMPLE.findall(text):
+        kv = dict(_LABEL.findall(labels))
+        try:
+            key = (int(kv["layer"]), int(kv["expert"]))
+        except (KeyError, ValueError):
+            continue
+        out[key] = out.get(key, 0.0) + float(value)
+    return out

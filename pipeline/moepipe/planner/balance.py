@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import heapq
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from moepipe.deploy.metric_names import expert_token_counts
 from moepipe.errors import ConfigError
 from moepipe.trtllm.load_balancer import check_load_balancer
 from moepipe.utils.fs import write_text_atomic
@@ -127,25 +127,12 @@ def _improve(held: list[list[int]], load: list[float], share: list[float]) -> No
 
 # -- counts in, placement out ---------------------------------------------------------------
 
-_METRIC = re.compile(r'^moepipe_expert_tokens_total\{([^}]*)\}\s+([0-9.eE+-]+)\s*$')
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
 def counts_from_metrics(text: str, where: str) -> dict[int, list[float]]:
     """Per-layer expert token counts from Prometheus text (a Triton ``/metrics`` page of the
     cpu target: ``moepipe_expert_tokens_total{model,layer,expert}``)."""
     cells: dict[int, dict[int, float]] = {}
-    for line in text.splitlines():
-        m = _METRIC.match(line.strip())
-        if not m:
-            continue
-        labels = dict(_LABEL.findall(m.group(1)))
-        try:
-            layer, expert = int(labels["layer"]), int(labels["expert"])
-        except (KeyError, ValueError):
-            continue
-        cells.setdefault(layer, {})[expert] = cells.get(layer, {}).get(expert, 0.0) + float(
-            m.group(2))
+    for (layer, expert), tokens in expert_token_counts(text).items():
+        cells.setdefault(layer, {})[expert] = tokens
     if not cells:
         raise ConfigError(f"{where}: no moepipe_expert_tokens_total samples",
                           "point --metrics at a running cpu deployment's metrics port "

@@ -9,7 +9,6 @@ places them (EP rank r holds experts [r*E/ep, (r+1)*E/ep)).
 
 from __future__ import annotations
 
-import re
 import time
 import urllib.request
 from typing import TYPE_CHECKING
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moepipe.config import MoepipeConfig
+from moepipe.deploy.metric_names import expert_token_counts
 from moepipe.validate.load import run_load
 from moepipe.validate.loadjobs import plan, prompts_for
 from moepipe.validate.report import JobResult, Skip, check
@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from moepipe.validate.jobs import JobContext
 
 COUNTER = "moepipe_expert_tokens_total"
-_LINE = re.compile(COUNTER + r"\{([^}]*)\}\s+([0-9.eE+-]+)")
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
 SETTLE_PERIOD_S = 0.6  # > the cpu model's metrics publication period (0.5 s)
 
 
@@ -39,12 +37,7 @@ def scrape(metrics_url: str, timeout: float = 10.0) -> dict[tuple[int, int], flo
 
 def parse(text: str) -> dict[tuple[int, int], float]:
     """(layer, expert) -> tokens routed, from Prometheus text (summed over other labels)."""
-    out: dict[tuple[int, int], float] = {}
-    for labels, value in _LINE.findall(text):
-        kv = dict(_LABEL.findall(labels))
-        key = (int(kv["layer"]), int(kv["expert"]))
-        out[key] = out.get(key, 0.0) + float(value)
-    return out
+    return expert_token_counts(text)
 
 
 def settled(metrics_url: str, timeout: float = 15.0) -> dict[tuple[int, int], float]:
