@@ -25,6 +25,28 @@ LAYER_TENSORS["tiny-qwen2-moe"] = LAYER_TENSORS["tiny-mixtral"] | {
     "mlp.shared_expert_gate.weight"}
 LAYER_TENSORS["tiny-qwen3-moe"] = LAYER_TENSORS["tiny-mixtral"] | {
     "attention.q_layernorm.weight", "attention.k_layernorm.weight"}
+# DeepSeek (TensorRT-LLM 1.2 tensorrt_llm/models/deepseek_v2/convert.py load_weights_from_hf_model):
+# MLA names without a .weight suffix where upstream writes them so (fused_q_proj, q_b_proj,
+# kv_b_proj); dense layers (index < first_k_dense_replace) are GatedMLPs (fc, gate, proj).
+_MLA = {"input_layernorm.weight", "post_layernorm.weight", "attention.fused_a.weight",
+        "attention.kv_a_layernorm.weight", "attention.fused_q_proj", "attention.q_b_proj",
+        "attention.kv_b_proj", "attention.dense.weight"}
+_DS_DENSE = _MLA | {"mlp.fc.weight", "mlp.gate.weight", "mlp.proj.weight"}
+_DS_MOE = _MLA | {"mlp.router.weight", "mlp.fc.weight", "mlp.proj.weight",
+                  "mlp.shared_expert.fc.weight", "mlp.shared_expert.proj.weight"}
+_V3 = {"attention.q_a_layernorm.weight"}  # q_lora_rank set (the V2 example has none)
+DEEPSEEK_LAYERS = {  # first_k_dense_replace = 1 in both examples
+    "tiny-deepseek-v2": (_DS_DENSE, _DS_MOE),
+    "tiny-deepseek-v3": (_DS_DENSE | _V3, _DS_MOE | _V3 | {"mlp.e_score_correction_bias"}),
+}
+
+
+def expected_layer(family: str, layer: int) -> set[str]:
+    """The TensorRT-LLM tensors of global decoder layer ``layer``."""
+    if family in DEEPSEEK_LAYERS:
+        dense, moe = DEEPSEEK_LAYERS[family]
+        return dense if layer < 1 else moe
+    return LAYER_TENSORS[family]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -37,12 +59,16 @@ def test_every_tensor_mapped_and_produced(family, examples):
         assert plan.sources == set(reader.tensors)
     for rank, tensors in enumerate(plan.ranks):
         names = {t.name for t in tensors}
-        per_layer = {n.split(".", 3)[3] for n in names if n.startswith("transformer.layers.")}
-        assert per_layer == LAYER_TENSORS[family]
+        layers = plan.mapping.pp_layers(ckpt.spec.num_layers, rank)
+        for local, layer in enumerate(layers):
+            prefix = f"transformer.layers.{local}."
+            per_layer = {n.removeprefix(prefix) for n in names if n.startswith(prefix)}
+            assert per_layer == expected_layer(family, layer)
         first, last = rank // 2 == 0, rank // 2 == 1
         assert ("transformer.vocab_embedding.weight" in names) == first
         assert ("lm_head.weight" in names) == last and ("transformer.ln_f.weight" in names) == last
-        assert {n.split(".")[2] for n in names if n.startswith("transformer.layers.")} == {"0", "1"}
+        assert {int(n.split(".")[2]) for n in names if n.startswith("transformer.layers.")} \
+            == set(range(len(layers)))
 
 
 class MetaReader:

@@ -30,7 +30,7 @@ def test_configs_folder_is_not_empty():
      "moepipe.yaml:2: target: 'gpu' is not valid; choose 'cpu', 'trtllm-engine' or "
      "'trtllm-pytorch'"),
     ("model: {example: tiny-mixtral}\nparallel: {tp: two}\n", "parallel.tp"),
-    ("model: {example: tiny-gpt}\n", "unknown example 'tiny-gpt'; valid: tiny-mixtral"),
+    ("model: {example: tiny-gpt}\n", "unknown example 'tiny-gpt'; valid: tiny-"),
     ("model: {example: tiny-mixtral, path: /x}\n", "exactly one of 'path' or 'example'"),
     ("model: {example: tiny-mixtral}\nworkers: 2\n", "workers: unknown key"),
     ("model: [1, 2\n", "not valid YAML"),

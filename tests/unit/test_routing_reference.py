@@ -165,19 +165,23 @@ def test_biases_must_match_the_spec():
 
 @pytest.mark.parametrize("arch", sorted(REGISTRY))
 def test_converted_routing_equals_the_hugging_face_routing(arch):
-    """What the converter writes (TensorRT-LLM's moe section) routes every registered family
-    as its Hugging Face config does."""
+    """What the converter writes (TensorRT-LLM's moe section, or moepipe_routing where that
+    cannot express the router) routes every registered family as its Hugging Face config does."""
     from moepipe.arch import get_family
     from moepipe.examples import EXAMPLES, family_examples
+    from moepipe.trtllm.checkpoint_config import build_config
+    from moepipe.trtllm.mapping import Mapping
 
     example = EXAMPLES[family_examples()[arch]]
     hf_config = getattr(transformers, example.config_class)(**example.config).to_dict()
-    spec = get_family(arch).spec({**hf_config, "architectures": [arch]}, "test")
-    converted = RoutingSpec.from_trtllm({
-        "num_experts": spec.num_experts, "top_k": spec.top_k,
-        "normalization_mode": get_family(arch).normalization_mode(spec)})
+    family = get_family(arch)
+    spec = family.spec({**hf_config, "architectures": [arch]}, "test")
+    converted = RoutingSpec.from_checkpoint_config(
+        build_config(family, spec, Mapping.create(), "float32"))
     logits = torch.randn(64, spec.num_experts, generator=torch.Generator().manual_seed(5))
-    ids_c, w_c = route(logits, converted)
-    ids_h, w_h = route(logits, spec_from_hf(arch, hf_config))
+    bias = torch.randn(spec.num_experts, generator=torch.Generator().manual_seed(6)) * 0.1
+    biases = {"correction_bias": bias} if converted.correction_bias else {}
+    ids_c, w_c = route(logits, converted, **biases)
+    ids_h, w_h = route(logits, spec_from_hf(arch, hf_config), **biases)
     assert torch.equal(ids_c, ids_h)
     torch.testing.assert_close(w_c, w_h, rtol=1e-6, atol=1e-6)

@@ -29,6 +29,7 @@ class RuntimeFacts:
     qk_norm: bool
     shared_expert_intermediate_size: int
     attn_bias: bool
+    shared_expert_gate: bool = True  # False: the shared expert's output is added ungated
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class Family:
     source_aliases: dict[str, str] = field(default_factory=dict)
     # HF tensors that exist on disk but carry nothing TensorRT-LLM needs (regex on the full name).
     dropped: tuple[str, ...] = (r".*\.rotary_emb\.inv_freq$",)
+    # Why TensorRT-LLM 1.2 cannot build an engine of this family (None: it can).
+    no_engine: str | None = None
+    quantizable: bool = True  # moepipe's quantize stage (modelopt) handles it
 
     def keys(self) -> dict[str, tuple[str, ...]]:
         return {**DEFAULT_CONFIG_KEYS, **self.config_keys}
@@ -63,6 +67,13 @@ class Family:
     def spec(self, hf_config: dict[str, Any], where: str) -> ModelSpec:
         """Normalise an HF ``config.json`` of this family."""
         return normalize(hf_config, self.keys(), where, self.config_defaults)
+
+    def rules_for(self, spec: ModelSpec, layer: int) -> dict[str, Rule]:
+        """The rules of decoder layer ``layer`` (families with dense layers override)."""
+        return self.layer_rules
+
+    def finish_config(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
+        """Family-specific edits of the TensorRT-LLM config.json (after the common keys)."""
 
     def normalization_mode(self, spec: ModelSpec) -> NormalizationMode:
         """TensorRT-LLM ``moe.normalization_mode`` of a model of this family."""

@@ -71,6 +71,25 @@ EXAMPLES: dict[str, Example] = {
              num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
              attention_bias=False, rope_theta=1e6, decoder_sparse_step=1, mlp_only_layers=[],
              use_sliding_window=False), seed=3456),
+    "tiny-deepseek-v2": Example(
+        "DeepseekV2Config", "DeepSeek-V2-Lite-style: MLA without query compression, 1 dense "
+        "layer, 8 experts top-2 in 4 groups (group-limited greedy), 2 shared experts",
+        dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, vocab_size=512,
+             intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+             n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1,
+             topk_method="group_limited_greedy", n_group=4, topk_group=2,
+             routed_scaling_factor=2.0, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+             qk_rope_head_dim=8, v_head_dim=16,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), seed=5678),
+    "tiny-deepseek-v3": Example(
+        "DeepseekV3Config", "DeepSeek-V3-style: MLA with query compression, 1 dense layer, "
+        "8 experts top-2, sigmoid noaux_tc routing with a correction bias, 1 shared expert",
+        dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, vocab_size=512,
+             intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+             n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=4,
+             topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=48,
+             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), seed=6789),
 }
 
 # Trained examples: sizes that learn in about a minute on 2 cores, hidden and expert widths of
@@ -162,6 +181,10 @@ def _init_weights(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        # DeepSeek-V3's selection-only bias is a buffer: make it matter (scores are in (0, 1))
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
         # A random model picks </s> as often as any token; damp it so greedy runs go on long
         # enough to compare (a client's end_id still stops them).
         if not model.config.tie_word_embeddings:

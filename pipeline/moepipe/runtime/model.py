@@ -14,6 +14,7 @@ cache slot and the number of tokens already cached - ragged prefill and batched 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from moepipe.errors import CheckpointError
 from moepipe.quant import dequant
 from moepipe.quant.dequant import ActQuant
+from moepipe.runtime import mla
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
 from moepipe.runtime.routing import RouteFn, route_op
 from moepipe.trtllm.mapping import stage_layers
@@ -35,9 +37,9 @@ DENSE_LIMIT = 1 << 24
 class RankLayer:
     """One decoder layer's weights on one tensor-parallel rank."""
 
-    qkv: torch.Tensor
+    qkv: torch.Tensor | None  # None with multi-head latent attention (Layer.mla)
     qkv_bias: torch.Tensor | None
-    dense: torch.Tensor
+    dense: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     experts: range  # global ids of this rank's experts
@@ -63,11 +65,12 @@ class Layer:
     index: int
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    router: torch.Tensor  # [E, H] float32
+    router: torch.Tensor | None  # [E, H] float32; None: a dense layer (shared_fc is its MLP)
     shared_gate: torch.Tensor | None
     ranks: list[RankLayer]
     router_bias: torch.Tensor | None = None  # [E] (GPT-OSS style routers)
     correction_bias: torch.Tensor | None = None  # [E] selection-only bias (DeepSeek-V3)
+    mla: list[mla.MlaRank] | None = None  # multi-head latent attention per tp rank (DeepSeek)
 
 
 @dataclass
@@ -122,6 +125,10 @@ class KVCache:
         self.k: list[list[torch.Tensor]] = []
         self.v: list[list[torch.Tensor]] = []
         for layer in model.layers:
+            if model.mla is not None:  # one latent per token, shared by the tp ranks
+                self.k.append([torch.zeros(num_slots, 1, max_len, model.mla.cache_width)])
+                self.v.append([])
+                continue
             shape = [(num_slots, r.kv_heads, max_len, model.head_size) for r in layer.ranks]
             self.k.append([torch.zeros(s) for s in shape])
             self.v.append([torch.zeros(s) for s in shape])
@@ -155,11 +162,14 @@ class ReferenceModel:
         quant = cfg.get("quantization") or {}
         self.quant_algo = quant.get("quant_algo")
         self.kv_algo = quant.get("kv_cache_quant_algo")
+        self.mla = mla.MlaDims.from_config(cfg)
+        self.mla_absorbed = True  # False: the plain formulation (same numbers; tests)
+        self.dense_layers = int(cfg.get("first_k_dense_replace") or 0) if self.mla else 0
         rot_dim = int(cfg.get("rotary_embedding_dim") or self.head_size)
         base = float(cfg.get("rotary_base", 10000.0))
         self.inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float()
                                         / rot_dim))
-        if rot_dim != self.head_size:
+        if rot_dim != (self.mla.qk_rope_head_dim if self.mla else self.head_size):
             raise CheckpointError("partial rotary embeddings are not implemented")
         self.layers: list[Layer] = []
         for stage in range(m.pp):
@@ -199,15 +209,24 @@ class ReferenceModel:
         per_rank = []
         heads = self.num_heads // m.tp
         kv_heads = max(1, self.num_kv_heads // m.tp)
-        shared = bool(facts.shared_expert_intermediate_size)
+        moe = index >= self.dense_layers
+        shared = moe and bool(facts.shared_expert_intermediate_size)
         for rank in ranks:
-            qkv, qkv_aq = self._linear(rank, p + "attention.qkv")
-            dense, dense_aq = self._linear(rank, p + "attention.dense")
-            fc, fc_aq = self._linear(rank, p + "mlp.fc")
-            proj, proj_aq = self._linear(rank, p + "mlp.proj")
-            shared_fc, shared_fc_aq = self._linear(rank, p + "mlp.shared_expert.fc", shared)
-            shared_proj, shared_proj_aq = self._linear(rank, p + "mlp.shared_expert.proj",
-                                                       shared)
+            qkv, qkv_aq = self._linear(rank, p + "attention.qkv", self.mla is None)
+            dense, dense_aq = self._linear(rank, p + "attention.dense", self.mla is None)
+            if moe:
+                fc, fc_aq = self._linear(rank, p + "mlp.fc")
+                proj, proj_aq = self._linear(rank, p + "mlp.proj")
+                shared_fc, shared_fc_aq = self._linear(rank, p + "mlp.shared_expert.fc", shared)
+                shared_proj, shared_proj_aq = self._linear(rank, p + "mlp.shared_expert.proj",
+                                                           shared)
+            else:  # a dense layer (GatedMLP: fc <- gate_proj, gate <- up_proj) as an ungated
+                # shared expert [up | gate] beside no routed experts
+                fc, proj = torch.zeros(0, 0, self.hidden), torch.zeros(0, self.hidden, 0)
+                shared_fc = torch.cat([self._get(rank, p + "mlp.gate.weight"),
+                                       self._get(rank, p + "mlp.fc.weight")])
+                shared_proj = self._get(rank, p + "mlp.proj.weight")
+                fc_aq = proj_aq = shared_fc_aq = shared_proj_aq = None
             per_rank.append(RankLayer(
                 qkv=qkv,
                 qkv_bias=self._get(rank, p + "attention.qkv.bias") if facts.attn_bias else None,
@@ -216,11 +235,11 @@ class ReferenceModel:
                 else None,
                 k_norm=self._get(rank, p + "attention.k_layernorm.weight") if facts.qk_norm
                 else None,
-                experts=m.ep_experts(self.num_experts, rank),
+                experts=m.ep_experts(self.num_experts, rank) if moe else range(0),
                 fc=fc, proj=proj, fc_flat=fc.reshape(-1, fc.shape[-1]),
                 proj_flat=proj.transpose(1, 2).reshape(-1, proj.shape[1]).contiguous(),
-                shared_fc=shared_fc if shared else None,
-                shared_proj=shared_proj if shared else None,
+                shared_fc=shared_fc if shared or not moe else None,
+                shared_proj=shared_proj if shared or not moe else None,
                 heads=heads, kv_heads=kv_heads,
                 aq={"qkv": qkv_aq, "dense": dense_aq, "fc": fc_aq, "proj": proj_aq,
                     "shared_fc": shared_fc_aq, "shared_proj": shared_proj_aq},
@@ -229,14 +248,16 @@ class ReferenceModel:
         return Layer(index=index,
                      input_norm=self._get(r0, p + "input_layernorm.weight"),
                      post_norm=self._get(r0, p + "post_layernorm.weight"),
-                     router=self._get(r0, p + "mlp.router.weight"),
+                     router=self._get(r0, p + "mlp.router.weight") if moe else None,
                      shared_gate=self._get(r0, p + "mlp.shared_expert_gate.weight")
-                     if shared else None,
+                     if shared and facts.shared_expert_gate else None,
                      ranks=per_rank,
                      router_bias=self._get(r0, p + "mlp.router.bias")
                      if self.ckpt.routing.router_bias else None,
                      correction_bias=self._get(r0, p + "mlp.e_score_correction_bias")
-                     if self.ckpt.routing.correction_bias else None)
+                     if self.ckpt.routing.correction_bias and moe else None,
+                     mla=[mla.load_rank(partial(self._get, r), partial(self._opt, r), p, self.mla)
+                          for r in ranks] if self.mla else None)
 
     # -- forward -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -253,9 +274,14 @@ class ReferenceModel:
         plan = _AttentionPlan.of(batch, cache)
         for layer in self.layers:
             x = rms_norm(h, layer.input_norm, self.eps)
-            attn = torch.zeros_like(h)
-            for r, w in enumerate(layer.ranks):
-                attn += self._attention(x, w, layer.index, r, cos, sin, plan, cache)
+            if layer.mla is not None and self.mla is not None:
+                attn = mla.attention(x, layer.mla, self.mla, cos, sin, plan,
+                                     cache.k[layer.index][0] if cache else None,
+                                     self.mla_absorbed)
+            else:
+                attn = torch.zeros_like(h)
+                for r, w in enumerate(layer.ranks):
+                    attn += self._attention(x, w, layer.index, r, cos, sin, plan, cache)
             h = h + attn
             x = rms_norm(h, layer.post_norm, self.eps)
             h = h + self._moe(x, layer)
@@ -269,6 +295,8 @@ class ReferenceModel:
     def _attention(self, x, w: RankLayer, layer: int, rank: int, cos, sin,
                    plan: _AttentionPlan, cache: KVCache | None) -> torch.Tensor:
         hd = self.head_size
+        if w.qkv is None or w.dense is None:
+            raise CheckpointError("attention weights missing (an MLA layer without MLA config)")
         qkv = w.quant("qkv", x) @ w.qkv.T
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
@@ -318,6 +346,11 @@ class ReferenceModel:
         return o[:, :, 0, :]
 
     def _moe(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        if layer.router is None:  # a dense layer: its MLP is held as an ungated shared expert
+            out = torch.zeros_like(x)
+            for w in layer.ranks:
+                self._shared_expert(x, layer, w, out)
+            return out
         logits = x.float() @ layer.router.T
         # torch.ops.moepipe.route: ids, weights and the per-expert counts behind the
         # moepipe_expert_tokens_total metrics
@@ -364,8 +397,9 @@ class ReferenceModel:
 
     @staticmethod
     def _shared_expert(x, layer: Layer, w: RankLayer, out: torch.Tensor) -> None:
-        if w.shared_fc is not None and w.shared_proj is not None \
-                and layer.shared_gate is not None:
+        if w.shared_fc is not None and w.shared_proj is not None:
             up, gate = (w.quant("shared_fc", x) @ w.shared_fc.T).chunk(2, dim=-1)
             shared = w.quant("shared_proj", F.silu(gate) * up) @ w.shared_proj.T
-            out += torch.sigmoid(x @ layer.shared_gate.T) * shared
+            if layer.shared_gate is not None:  # Qwen2-MoE gates it; DeepSeek does not
+                shared = torch.sigmoid(x @ layer.shared_gate.T) * shared
+            out += shared

@@ -40,7 +40,7 @@ from moepipe.checkpoints.st_io import (
     sha256_file,
 )
 from moepipe.config import MoepipeConfig
-from moepipe.errors import CheckpointError, ConfigError
+from moepipe.errors import CheckpointError, ConfigError, UnsupportedError
 from moepipe.quant.trtllm import quantized_rules
 from moepipe.stages.base import BuildContext, Stage, gib
 from moepipe.stages.integrity import STAGE_FILE
@@ -146,7 +146,7 @@ def plan_conversion(family: Family, spec: ModelSpec, mapping: Mapping, dtype: st
         layers = mapping.pp_layers(spec.num_layers, rank)
         for layer in layers:
             ctx = RankContext(spec, mapping, rank, layer, out_dtype)
-            for suffix, rule in family.layer_rules.items():
+            for suffix, rule in family.rules_for(spec, layer).items():
                 if not rule.enabled(spec):
                     continue
                 rules = {suffix: rule} if quant is None else quantized_rules(
@@ -394,6 +394,26 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
             "rank_bytes": [res.plan.rank_bytes(r) for r in range(world)]}
 
 
+def _preflight(ctx: BuildContext) -> None:
+    """Families the target cannot take are refused before anything runs."""
+    from moepipe.arch import get_family
+    from moepipe.stages.source import source_spec
+
+    spec = source_spec(ctx)
+    if spec is None:
+        return
+    family = get_family(spec.architecture)
+    if ctx.cfg.target == "trtllm-engine" and family.no_engine:
+        raise UnsupportedError(f"{spec.architecture} cannot be built for target trtllm-engine: "
+                               f"{family.no_engine}",
+                               "use target: trtllm-pytorch (serves the Hugging Face checkpoint) "
+                               "or target: cpu")
+    if not family.quantizable and ctx.cfg.quantize.format != "none":
+        raise UnsupportedError(f"quantize.format {ctx.cfg.quantize.format}: moepipe does not "
+                               f"quantize {spec.architecture} yet",
+                               "use quantize.format: none")
+
+
 def _memory(ctx: BuildContext) -> int:
     try:
         source: Path | None = ctx.model_dir
@@ -420,5 +440,6 @@ def _disk(ctx: BuildContext) -> int:
 STAGE = Stage("convert", 1, applies=lambda cfg: cfg.target in ("cpu", "trtllm-engine"),
               settings=_settings, inputs=("source", "quantize"), tools=(), run=_run,
               estimate=lambda ctx: {"host memory (peak)": gib(_memory(ctx))}, memory=_memory,
+              preflight=_preflight,
               memory_hint="free memory, or use a smaller tp / moe_tp (column slices read whole "
                           "tensors)", link="checkpoint", disk=_disk)

@@ -85,5 +85,6 @@ def build_config(family: Family, spec: ModelSpec, mapping: Mapping, dtype: str,
         "device_limited_topk_group": 0,
         "device_limited_routed_scaling_factor": 1.0,
     }
+    family.finish_config(cfg, spec)
     cfg["producer"] = {"name": "moepipe", "version": __version__}
     return cfg

@@ -1,0 +1,410 @@
+"""DeepSeek-V2 and DeepSeek-V3 -> the TensorRT-LLM 1.2 ``DeepseekV2ForCausalLM`` checkpoint layout.
+
+Names, fusions and shards follow TensorRT-LLM 1.2's own converter
+(``tensorrt_llm/models/deepseek_v2/convert.py`` ``load_weights_from_hf_model``; config keys from
+``deepseek_v2/config.py`` ``DeepSeekV2Config.from_hugging_face``):
+
+* multi-head latent attention: ``attention.fused_a`` = ``[q_a_proj; kv_a_proj_with_mqa]``
+  (only ``kv_a_proj_with_mqa`` when ``q_lora_rank`` is null, V2-Lite), replicated;
+  ``attention.q_b_proj`` (``q_proj`` when ``q_lora_rank`` is null) split by heads;
+  ``attention.kv_b_proj`` split by heads and re-laid out as ``[k_nope rows; v rows]``;
+  ``attention.fused_q_proj`` = per head ``[W_UK^T W_UQ_nope; W_UQ_rope]`` (the absorbed query);
+  ``attention.dense`` = ``o_proj`` row-parallel; the a-layernorms replicated;
+* the first ``first_k_dense_replace`` layers are dense gated MLPs in TensorRT-LLM's GatedMLP
+  names: ``mlp.fc`` <- ``gate_proj``, ``mlp.gate`` <- ``up_proj``, ``mlp.proj`` <- ``down_proj``;
+* MoE layers: routed experts as for the other families, the shared experts as one ungated
+  ``mlp.shared_expert`` (``fc = [up; gate]``), the router in float32 and, for DeepSeek-V3's
+  ``noaux_tc`` routing, ``mlp.e_score_correction_bias``.
+
+DeepSeek-V3 uses the same layout; TensorRT-LLM 1.2 has no engine for it, so its checkpoints
+serve the cpu target only (``trtllm-engine`` refuses it; ``trtllm-pytorch`` serves the Hugging
+Face checkpoint itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from moepipe.arch.common import MODEL_RULES
+from moepipe.arch.family import Family, Fixed, RuntimeFacts
+from moepipe.arch.geometry import COLUMN, REPLICATED, Geometry, Part, chunk
+from moepipe.arch.routing import NormalizationMode, RoutingSpec, spec_from_hf
+from moepipe.arch.rules import (
+    ExpertsDown,
+    ExpertsGatedPair,
+    ExpertSource,
+    GatedPair,
+    Replicated,
+    Router,
+    Rule,
+    Split,
+)
+from moepipe.arch.spec import ModelSpec
+from moepipe.errors import UnsupportedError
+
+
+@dataclass(frozen=True)
+class DeepseekSpec(ModelSpec):
+    """A DeepSeek model: the common fields plus multi-head latent attention and dense layers."""
+
+    q_lora_rank: int = 0  # 0: no query compression (q_proj), DeepSeek-V2-Lite
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    first_k_dense_replace: int = 0
+    routing: dict = field(default_factory=dict)  # RoutingSpec.to_dict() of the HF router
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def q_rows(self) -> int:
+        return self.num_heads * self.qk_head_dim
+
+    @property
+    def q_in(self) -> int:
+        return self.q_lora_rank or self.hidden_size
+
+    @property
+    def fused_a_rows(self) -> int:
+        return self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kv_b_rows(self) -> int:
+        return self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+
+    @property
+    def o_in(self) -> int:
+        return self.num_heads * self.v_head_dim
+
+    @property
+    def routing_spec(self) -> RoutingSpec:
+        return RoutingSpec.from_dict(self.routing)
+
+
+_ATTN = "model.layers.{layer}.self_attn."
+_MLP = "model.layers.{layer}.mlp."
+
+
+@dataclass(frozen=True)
+class FusedA(Rule):
+    """``[q_a_proj; kv_a_proj_with_mqa]`` (or only the latter), replicated."""
+
+    def _srcs(self, ctx):
+        kv = ctx.name(_ATTN + "kv_a_proj_with_mqa.weight")
+        return [ctx.name(_ATTN + "q_a_proj.weight"), kv] if ctx.spec.q_lora_rank else [kv]
+
+    def sources(self, ctx, reader):
+        return self._srcs(ctx)
+
+    def source_shapes(self, ctx):
+        s = ctx.spec
+        shapes = {ctx.name(_ATTN + "kv_a_proj_with_mqa.weight"):
+                  (s.kv_lora_rank + s.qk_rope_head_dim, s.hidden_size)}
+        if s.q_lora_rank:
+            shapes[ctx.name(_ATTN + "q_a_proj.weight")] = (s.q_lora_rank, s.hidden_size)
+        return shapes
+
+    def shape(self, ctx):
+        return (ctx.spec.fused_a_rows, ctx.spec.hidden_size)
+
+    def geometry(self, ctx, fused=False):
+        srcs = self._srcs(ctx)
+        return Geometry(REPLICATED, (tuple(Part(s) for s in srcs),), tuple(srcs))
+
+
+def _q_src(ctx) -> str:
+    return ctx.name(_ATTN + ("q_b_proj.weight" if ctx.spec.q_lora_rank else "q_proj.weight"))
+
+
+@dataclass(frozen=True)
+class QB(Rule):
+    """``attention.q_b_proj``: the query up-projection, this rank's heads."""
+
+    def sources(self, ctx, reader):
+        return [_q_src(ctx)]
+
+    def source_shapes(self, ctx):
+        return {_q_src(ctx): (ctx.spec.q_rows, ctx.spec.q_in)}
+
+    def shape(self, ctx):
+        return (ctx.spec.q_rows // ctx.tp, ctx.spec.q_in)
+
+    def geometry(self, ctx, fused=False):
+        src = _q_src(ctx)
+        return Geometry(COLUMN, ((Part(src, rows=chunk(ctx.spec.q_rows, ctx.tp, ctx.tp_rank)),),),
+                        (src,))
+
+
+def _local_heads(ctx) -> range:
+    per = ctx.spec.num_heads // ctx.tp
+    return range(ctx.tp_rank * per, (ctx.tp_rank + 1) * per)
+
+
+@dataclass(frozen=True)
+class KVB(Rule):
+    """``attention.kv_b_proj``: this rank's heads, ``[k_nope of each head; v of each head]``
+    (Hugging Face interleaves (k_nope, v) per head)."""
+
+    def sources(self, ctx, reader):
+        return [ctx.name(_ATTN + "kv_b_proj.weight")]
+
+    def source_shapes(self, ctx):
+        return {ctx.name(_ATTN + "kv_b_proj.weight"): (ctx.spec.kv_b_rows, ctx.spec.kv_lora_rank)}
+
+    def shape(self, ctx):
+        return (ctx.spec.kv_b_rows // ctx.tp, ctx.spec.kv_lora_rank)
+
+    def geometry(self, ctx, fused=False):
+        s, src = ctx.spec, ctx.name(_ATTN + "kv_b_proj.weight")
+        per = s.qk_nope_head_dim + s.v_head_dim
+        heads = _local_heads(ctx)
+        k = tuple(Part(src, rows=slice(h * per, h * per + s.qk_nope_head_dim)) for h in heads)
+        v = tuple(Part(src, rows=slice(h * per + s.qk_nope_head_dim, (h + 1) * per))
+                  for h in heads)
+        return Geometry(COLUMN, (k + v,), (src,))
+
+
+@dataclass(frozen=True)
+class FusedQ(Rule):
+    """``attention.fused_q_proj``: per head ``einsum('dq,dk->kq', W_UQ_nope, W_UK)`` (the query
+    in the latent space) followed by the head's rope rows; computed, not sliced."""
+
+    def sources(self, ctx, reader):
+        return [_q_src(ctx), ctx.name(_ATTN + "kv_b_proj.weight")]
+
+    def source_shapes(self, ctx):
+        return {**QB().source_shapes(ctx), **KVB().source_shapes(ctx)}
+
+    def shape(self, ctx):
+        s = ctx.spec
+        return (s.num_heads // ctx.tp * (s.kv_lora_rank + s.qk_rope_head_dim), s.q_in)
+
+    def chunks(self, ctx, reader) -> Iterator[Any]:
+        import torch
+
+        s = ctx.spec
+        heads = _local_heads(ctx)
+        qk, kvh = s.qk_head_dim, s.qk_nope_head_dim + s.v_head_dim
+        q = reader.read(_q_src(ctx), (slice(heads.start * qk, heads.stop * qk),)).float()
+        kv = reader.read(ctx.name(_ATTN + "kv_b_proj.weight"),
+                         (slice(heads.start * kvh, heads.stop * kvh),)).float()
+        q = q.view(len(heads), qk, s.q_in)
+        kv = kv.view(len(heads), kvh, s.kv_lora_rank)
+        q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=1)
+        k_nope = kv[:, :s.qk_nope_head_dim]
+        absorbed = torch.einsum("hdq,hdk->hkq", q_nope, k_nope)
+        yield torch.cat([absorbed, q_pe], dim=1).reshape(-1, s.q_in)
+
+    def geometry(self, ctx, fused=False):
+        raise UnsupportedError("attention.fused_q_proj is computed; it cannot be quantized "
+                               "by slicing")
+
+
+_EXPERTS = ExpertSource(
+    gate=_MLP + "experts.{expert}.gate_proj.weight",
+    up=_MLP + "experts.{expert}.up_proj.weight",
+    down=_MLP + "experts.{expert}.down_proj.weight",
+    fused_gate_up=_MLP + "experts.gate_up_proj",
+    fused_down=_MLP + "experts.down_proj",
+)
+
+_COMMON = {
+    "input_layernorm.weight": Replicated("model.layers.{layer}.input_layernorm.weight"),
+    "post_layernorm.weight": Replicated("model.layers.{layer}.post_attention_layernorm.weight"),
+    "attention.fused_a.weight": FusedA(),
+    "attention.kv_a_layernorm.weight": Replicated(_ATTN + "kv_a_layernorm.weight",
+                                                  dims=("kv_lora_rank",)),
+    "attention.q_a_layernorm.weight": Replicated(_ATTN + "q_a_layernorm.weight",
+                                                 dims=("q_lora_rank",), when="q_lora_rank"),
+    "attention.fused_q_proj": FusedQ(),
+    "attention.q_b_proj": QB(),
+    "attention.kv_b_proj": KVB(),
+    "attention.dense.weight": Split(_ATTN + "o_proj.weight", "hidden_size", "o_in", dim=1),
+}
+
+MOE_RULES: dict[str, Rule] = {
+    **_COMMON,
+    "mlp.router.weight": Router(_MLP + "gate.weight"),
+    "mlp.fc.weight": ExpertsGatedPair(_EXPERTS),
+    "mlp.proj.weight": ExpertsDown(_EXPERTS),
+    "mlp.shared_expert.fc.weight": GatedPair(_MLP + "shared_experts.gate_proj.weight",
+                                             _MLP + "shared_experts.up_proj.weight",
+                                             "shared_expert_intermediate_size",
+                                             when="shared_expert_intermediate_size"),
+    "mlp.shared_expert.proj.weight": Split(_MLP + "shared_experts.down_proj.weight",
+                                           "hidden_size", "shared_expert_intermediate_size", dim=1,
+                                           when="shared_expert_intermediate_size"),
+}
+
+DENSE_RULES: dict[str, Rule] = {
+    **_COMMON,
+    # TensorRT-LLM GatedMLP: fc is the activated input (gate_proj), gate multiplies (up_proj)
+    "mlp.fc.weight": Split(_MLP + "gate_proj.weight", "dense_intermediate_size", "hidden_size",
+                           dim=0),
+    "mlp.gate.weight": Split(_MLP + "up_proj.weight", "dense_intermediate_size", "hidden_size",
+                             dim=0),
+    "mlp.proj.weight": Split(_MLP + "down_proj.weight", "hidden_size", "dense_intermediate_size",
+                             dim=1),
+}
+
+CORRECTION_BIAS = {
+    "mlp.e_score_correction_bias": Replicated(_MLP + "gate.e_score_correction_bias",
+                                              dims=("num_experts",), float32=True),
+}
+
+
+@dataclass(frozen=True)
+class DeepseekFamily(Family):
+    """A family whose first ``first_k_dense_replace`` layers are dense and whose attention is
+    MLA; the spec carries the extra dimensions (:class:`DeepseekSpec`)."""
+
+    dense_rules: dict[str, Rule] = field(default_factory=dict)
+
+    def spec(self, hf_config: dict[str, Any], where: str) -> ModelSpec:
+        base = super().spec(hf_config, where)
+        _check_deepseek(hf_config, where)
+        routing = spec_from_hf(self.hf_architecture, hf_config)
+        n_shared = int(hf_config.get("n_shared_experts") or 0)
+        extra: dict[str, Any] = {
+            "q_lora_rank": int(hf_config.get("q_lora_rank") or 0),
+            "kv_lora_rank": int(hf_config["kv_lora_rank"]),
+            "qk_nope_head_dim": int(hf_config["qk_nope_head_dim"]),
+            "qk_rope_head_dim": int(hf_config["qk_rope_head_dim"]),
+            "v_head_dim": int(hf_config["v_head_dim"]),
+            "first_k_dense_replace": int(hf_config.get("first_k_dense_replace") or 0),
+            "routing": routing.to_dict(),
+        }
+        values: dict[str, Any] = {f.name: getattr(base, f.name) for f in fields(ModelSpec)}
+        values.update(shared_expert_intermediate_size=n_shared * base.expert_intermediate_size,
+                      head_dim=extra["qk_rope_head_dim"])
+        return DeepseekSpec(**values, **extra)
+
+    def rules_for(self, spec: ModelSpec, layer: int) -> dict[str, Rule]:
+        if isinstance(spec, DeepseekSpec) and layer < spec.first_k_dense_replace:
+            return self.dense_rules
+        return self.layer_rules
+
+    def normalization_mode(self, spec: ModelSpec) -> NormalizationMode:
+        mode = _routing(spec).trtllm_normalization_mode()
+        # noaux_tc has no engine mode; TensorRT-LLM's own config writes DEVICE_LIMITED for it
+        return NormalizationMode.DEVICE_LIMITED if mode is None else mode
+
+    def finish_config(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
+        """TensorRT-LLM 1.2 ``DeepSeekV2Config`` keys (``from_hugging_face``) and the ``moe``
+        block's DeepSeek fields; ``moepipe_routing`` where the engine cannot route (V3)."""
+        if not isinstance(spec, DeepseekSpec):
+            return
+        routing = spec.routing_spec
+        cfg.update({
+            "num_key_value_heads": 1,
+            "head_size": spec.kv_lora_rank + spec.qk_rope_head_dim,
+            "rotary_embedding_dim": spec.qk_rope_head_dim,
+            "qk_layernorm": False,
+            "moe_inter_size": spec.expert_intermediate_size,
+            "kv_lora_rank": spec.kv_lora_rank,
+            "q_lora_rank": spec.q_lora_rank or None,
+            "qk_nope_head_dim": spec.qk_nope_head_dim,
+            "qk_rope_head_dim": spec.qk_rope_head_dim,
+            "v_head_dim": spec.v_head_dim,
+            "topk_method": "noaux_tc" if routing.correction_bias else (
+                "group_limited_greedy" if routing.n_group > 1 else "greedy"),
+            "first_k_dense_replace": spec.first_k_dense_replace,
+            "moe_layer_freq": 1,
+            "coring_func": routing.score,  # sic: TensorRT-LLM's key for scoring_func
+            "fp8_format": False,
+        })
+        cfg["moe"].update({
+            "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
+            "device_limited_n_group": routing.n_group,
+            "device_limited_topk_group": routing.topk_group,
+            "device_limited_routed_scaling_factor": routing.routed_scaling_factor,
+        })
+        if routing.trtllm_normalization_mode() is None:
+            cfg["moepipe_routing"] = routing.to_dict()
+
+
+def _routing(spec: ModelSpec) -> RoutingSpec:
+    if isinstance(spec, DeepseekSpec):
+        return spec.routing_spec
+    raise UnsupportedError(f"{spec.architecture}: not a DeepSeek spec")
+
+
+def _check_deepseek(cfg: dict[str, Any], where: str) -> None:
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    if freq != 1:
+        raise UnsupportedError(f"{where}: moe_layer_freq {freq} is not supported",
+                               "moepipe converts DeepSeek models whose layers after "
+                               "first_k_dense_replace are all MoE (moe_layer_freq: 1)")
+    if cfg.get("rope_interleave") is False:
+        raise UnsupportedError(f"{where}: rope_interleave false is not supported",
+                               "DeepSeek checkpoints rotate interleaved pairs (the default)")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise UnsupportedError(f"{where}: attention or MLP biases are not supported for DeepSeek",
+                               "TensorRT-LLM's DeepSeek-V2 model has none")
+    if cfg.get("topk_method") not in (None, "greedy", "group_limited_greedy", "noaux_tc"):
+        raise UnsupportedError(f"{where}: topk_method {cfg.get('topk_method')!r} is not supported",
+                               "supported: greedy, group_limited_greedy, noaux_tc")
+
+
+def deepseek_runtime_facts(cfg: dict[str, Any]) -> RuntimeFacts:
+    """DeepseekV2ForCausalLM: MLA, no q/k norm, ungated shared experts sized by the moe block."""
+    return RuntimeFacts(qk_norm=False,
+                        shared_expert_intermediate_size=int(
+                            cfg.get("moe", {}).get("shared_expert_intermediate_size", 0)),
+                        attn_bias=False, shared_expert_gate=False)
+
+
+_KEYS = {"num_experts": ("n_routed_experts", "num_local_experts", "num_experts"),
+         "expert_intermediate_size": ("moe_intermediate_size",),
+         "dense_intermediate_size": ("intermediate_size",),
+         # MLA: the nominal KV head count is the query head count (moepipe shards by heads)
+         "num_kv_heads": ("num_attention_heads",)}
+
+_FIELDS: dict[str, str | Fixed] = {
+    "mlp_bias": Fixed(False),
+    "attn_bias": Fixed(False),
+    "rotary_base": "rope_theta",
+    "rotary_scaling": Fixed(None),
+    "residual_mlp": Fixed(False),
+    "disable_weight_only_quant_plugin": Fixed(False),
+    "remove_duplicated_kv_heads": Fixed(False),
+    "fc_after_embed": Fixed(False),
+    "use_input_layernorm_in_first_layer": Fixed(True),
+    "use_last_layernorm": Fixed(True),
+    "layer_idx_offset": Fixed(0),
+}
+
+DEEPSEEK_V2 = DeepseekFamily(
+    hf_architecture="DeepseekV2ForCausalLM",
+    trtllm_architecture="DeepseekV2ForCausalLM",
+    trtllm_class="DeepseekV2ForCausalLM",
+    description="DeepSeek-V2: multi-head latent attention, dense first layers, shared experts, "
+                "group-limited softmax routing",
+    layer_prefix="model.layers.{layer}.",
+    layer_rules=MOE_RULES,
+    dense_rules=DENSE_RULES,
+    model_rules=MODEL_RULES,
+    routing="deepseek",
+    config_keys=_KEYS,
+    trtllm_fields=_FIELDS,
+    runtime_facts=deepseek_runtime_facts,
+    quantizable=False,
+)
+
+DEEPSEEK_V3 = replace(
+    DEEPSEEK_V2,
+    hf_architecture="DeepseekV3ForCausalLM",
+    trtllm_architecture="DeepseekV3ForCausalLM",
+    description="DeepSeek-V3: multi-head latent attention, dense first layers, shared expert, "
+                "sigmoid noaux_tc routing with e_score_correction_bias (cpu target only: "
+                "TensorRT-LLM 1.2 builds no DeepSeek-V3 engine)",
+    layer_rules={**MOE_RULES, **CORRECTION_BIAS},
+    no_engine="TensorRT-LLM 1.2 has no DeepSeek-V3 engine model (only its preview `deepseek` "
+              "branch) and its engine MoE cannot route noaux_tc (sigmoid scores, "
+              "e_score_correction_bias) without a router plugin",
+)

@@ -1,0 +1,179 @@
+"""DeepSeek-V2 / V3: the converter writes TensorRT-LLM 1.2's DeepseekV2ForCausalLM checkpoint
+(re-derived here on full tensors the way upstream's converter does it), and the reference
+runtime's MLA formulations and routing agree.
+
+Upstream (NVIDIA/TensorRT-LLM, 1.2 line):
+- tensorrt_llm/models/deepseek_v2/convert.py ``load_weights_from_hf_model``: fused_a, q_b_proj,
+  kv_b_proj ([k_nope rows; v rows] of the rank's heads), fused_q_proj (einsum 'hdq,hdk->hkq' then
+  the rope rows), dense layers as GatedMLP (fc <- gate_proj, gate <- up_proj), experts
+  ``fc = cat([up, gate], -2)``, router float32, ``mlp.e_score_correction_bias`` for noaux_tc,
+  shared experts ``mlp.shared_expert.{fc,proj}``;
+- tensorrt_llm/models/deepseek_v2/config.py ``DeepSeekV2Config.from_hugging_face``: config keys
+  (num_key_value_heads 1, head_size kv_lora_rank + qk_rope_head_dim, moe_inter_size, the MLA
+  dims, topk_method, first_k_dense_replace, moe_layer_freq, coring_func, fp8_format) and the moe
+  block (shared_expert_intermediate_size = n_shared_experts * moe_intermediate_size,
+  device_limited_n_group / topk_group / routed_scaling_factor);
+- tensorrt_llm/models/deepseek_v2/model.py: SharedMoE with use_shared_gate=False.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moepipe.runtime.checkpoint import load_checkpoint
+from moepipe.runtime.model import Batch, ReferenceModel
+from moepipe.stages.convert import convert
+
+PROMPT = [54, 260, 402, 305, 77, 445, 510, 271, 494, 12, 99, 300]
+DIMS = dict(heads=4, nope=16, rope=8, v=16, kv_lora=32, dense=1, experts=8)
+
+
+def _split(t, parts, index, dim):
+    return t.chunk(parts, dim=dim)[index] if parts > 1 else t
+
+
+def _expected_rank(hf, cfg, rank, tp, pp, moe_tp, moe_ep):
+    """upstream convert.py, on full tensors."""
+    d = DIMS
+    tp_rank, pp_rank = rank % tp, rank // tp
+    ep_rank, mtp_rank = tp_rank % moe_ep, tp_rank // moe_ep
+    layers = cfg["num_hidden_layers"]
+    per = -(-layers // pp)
+    stage = range(pp_rank * per, min(layers, (pp_rank + 1) * per))
+    q_lora = cfg["q_lora_rank"]
+    out = {}
+    for local, layer in enumerate(stage):
+        p, t = f"model.layers.{layer}.", f"transformer.layers.{local}."
+        a = p + "self_attn."
+        kv_a = hf[a + "kv_a_proj_with_mqa.weight"]
+        if q_lora:
+            fused_a = torch.cat([hf[a + "q_a_proj.weight"], kv_a])
+            q_b = hf[a + "q_b_proj.weight"]
+            out[t + "attention.q_a_layernorm.weight"] = hf[a + "q_a_layernorm.weight"]
+        else:
+            fused_a, q_b = kv_a, hf[a + "q_proj.weight"]
+        q_b = _split(q_b.unflatten(0, [d["heads"], d["nope"] + d["rope"]]), tp, tp_rank, 0)
+        kv_b = _split(hf[a + "kv_b_proj.weight"].unflatten(0, [d["heads"], d["nope"] + d["v"]]),
+                      tp, tp_rank, 0)
+        q_nope, q_pe = q_b.split([d["nope"], d["rope"]], dim=1)
+        k_nope, v = kv_b.split([d["nope"], d["v"]], dim=1)
+        out[t + "attention.fused_a.weight"] = fused_a
+        out[t + "attention.kv_a_layernorm.weight"] = hf[a + "kv_a_layernorm.weight"]
+        out[t + "attention.q_b_proj"] = q_b.reshape(-1, q_b.shape[-1])
+        out[t + "attention.kv_b_proj"] = torch.cat([k_nope.reshape(-1, d["kv_lora"]),
+                                                    v.reshape(-1, d["kv_lora"])])
+        out[t + "attention.fused_q_proj"] = torch.cat(
+            [torch.einsum("hdq,hdk->hkq", q_nope, k_nope), q_pe], dim=1).flatten(0, 1)
+        out[t + "attention.dense.weight"] = _split(hf[a + "o_proj.weight"], tp, tp_rank, 1)
+        out[t + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        out[t + "post_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        m = p + "mlp."
+        if layer < d["dense"]:
+            out[t + "mlp.gate.weight"] = _split(hf[m + "up_proj.weight"], tp, tp_rank, 0)
+            out[t + "mlp.fc.weight"] = _split(hf[m + "gate_proj.weight"], tp, tp_rank, 0)
+            out[t + "mlp.proj.weight"] = _split(hf[m + "down_proj.weight"], tp, tp_rank, 1)
+            continue
+        rng = range(ep_rank * d["experts"] // moe_ep, (ep_rank + 1) * d["experts"] // moe_ep)
+        stack = {n: torch.stack([hf[m + f"experts.{e}.{n}_proj.weight"] for e in rng])
+                 for n in ("gate", "up", "down")}
+        out[t + "mlp.fc.weight"] = torch.cat([_split(stack["up"], moe_tp, mtp_rank, 1),
+                                              _split(stack["gate"], moe_tp, mtp_rank, 1)], dim=-2)
+        out[t + "mlp.proj.weight"] = _split(stack["down"], moe_tp, mtp_rank, 2)
+        out[t + "mlp.router.weight"] = hf[m + "gate.weight"].float()
+        if m + "gate.e_score_correction_bias" in hf:
+            out[t + "mlp.e_score_correction_bias"] = hf[m + "gate.e_score_correction_bias"].float()
+        s = m + "shared_experts."
+        out[t + "mlp.shared_expert.fc.weight"] = torch.cat(
+            [_split(hf[s + "up_proj.weight"], tp, tp_rank, 0),
+             _split(hf[s + "gate_proj.weight"], tp, tp_rank, 0)], dim=-2)
+        out[t + "mlp.shared_expert.proj.weight"] = _split(hf[s + "down_proj.weight"], tp,
+                                                          tp_rank, 1)
+    if pp_rank == 0:
+        out["transformer.vocab_embedding.weight"] = hf["model.embed_tokens.weight"]
+    if pp_rank == pp - 1:
+        out["transformer.ln_f.weight"] = hf["model.norm.weight"]
+        out["lm_head.weight"] = _split(hf["lm_head.weight"], tp, tp_rank, 0)
+    return out
+
+
+CASES = [("tiny-deepseek-v2", (4, 1, 2, 2)), ("tiny-deepseek-v2", (2, 2, 1, 2)),
+         ("tiny-deepseek-v3", (4, 1, 1, 4)), ("tiny-deepseek-v3", (2, 2, 2, 1))]
+
+
+@pytest.mark.parametrize("family,mapping", CASES)
+def test_rank_tensors_follow_trtllm_deepseek_rules(family, mapping, examples, tmp_path):
+    tp, pp, moe_tp, moe_ep = mapping
+    out = tmp_path / "ckpt"
+    convert(examples[family], out, tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep)
+    hf = load_file(examples[family] / "model.safetensors")
+    cfg = json.loads((examples[family] / "config.json").read_text())
+    for rank in range(tp * pp):
+        got = load_file(out / f"rank{rank}.safetensors")
+        want = _expected_rank(hf, cfg, rank, tp, pp, moe_tp, moe_ep)
+        assert sorted(got) == sorted(want), f"rank {rank} tensor names"
+        for name, tensor in want.items():
+            assert got[name].dtype == tensor.dtype, name
+            assert got[name].shape == tensor.shape, name
+            if name.endswith("fused_q_proj"):  # a product: summation order may differ
+                torch.testing.assert_close(got[name], tensor, rtol=1e-6, atol=1e-6)
+            else:
+                assert torch.equal(got[name], tensor), name
+
+
+def test_config_json_is_trtllm_deepseek_v2_config(examples, tmp_path):
+    convert(examples["tiny-deepseek-v2"], tmp_path / "v2", tp=2, moe_ep=2)
+    cfg = json.loads((tmp_path / "v2" / "config.json").read_text())
+    assert cfg["architecture"] == "DeepseekV2ForCausalLM"
+    assert cfg["num_key_value_heads"] == 1 and cfg["head_size"] == 32 + 8
+    assert (cfg["kv_lora_rank"], cfg["q_lora_rank"], cfg["qk_nope_head_dim"],
+            cfg["qk_rope_head_dim"], cfg["v_head_dim"]) == (32, None, 16, 8, 16)
+    assert cfg["intermediate_size"] == 96 and cfg["moe_inter_size"] == 32
+    assert cfg["topk_method"] == "group_limited_greedy" and cfg["coring_func"] == "softmax"
+    assert cfg["first_k_dense_replace"] == 1 and cfg["moe_layer_freq"] == 1
+    assert cfg["fp8_format"] is False and cfg["rotary_base"] == 10000.0
+    assert cfg["moe"] == {"num_experts": 8, "shared_expert_intermediate_size": 64, "top_k": 2,
+                          "normalization_mode": 3, "sparse_mixer_epsilon": 0.01, "tp_mode": 0,
+                          "device_limited_n_group": 4, "device_limited_topk_group": 2,
+                          "device_limited_routed_scaling_factor": 2.0}
+    assert "moepipe_routing" not in cfg  # the engine's DEVICE_LIMITED routes V2 exactly
+
+    convert(examples["tiny-deepseek-v3"], tmp_path / "v3")
+    cfg = json.loads((tmp_path / "v3" / "config.json").read_text())
+    assert cfg["architecture"] == "DeepseekV3ForCausalLM" and cfg["q_lora_rank"] == 48
+    assert cfg["topk_method"] == "noaux_tc" and cfg["coring_func"] == "sigmoid"
+    assert cfg["moe"]["shared_expert_intermediate_size"] == 32
+    assert cfg["moepipe_routing"] == {
+        "num_experts": 8, "top_k": 2, "score": "sigmoid", "topk_first": False,
+        "renormalize": True, "n_group": 4, "topk_group": 2, "group_score": "top2_sum",
+        "routed_scaling_factor": 2.5, "correction_bias": True, "router_bias": False}
+
+
+@pytest.mark.parametrize("family", ["tiny-deepseek-v2", "tiny-deepseek-v3"])
+def test_absorbed_and_plain_mla_agree(family, examples, tmp_path):
+    """fused_q_proj (absorbed) and q_b_proj + kv_b_proj's k rows (plain) give the same logits:
+    the three attention tensors are consistent with each other."""
+    convert(examples[family], tmp_path / "ckpt", tp=2, moe_ep=2)
+    model = ReferenceModel(load_checkpoint(tmp_path / "ckpt"))
+    absorbed = model.forward(Batch.single(PROMPT), all_logits=True)
+    model.mla_absorbed = False
+    plain = model.forward(Batch.single(PROMPT), all_logits=True)
+    torch.testing.assert_close(absorbed, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_correction_bias_steers_selection_only(examples, hf_models, tmp_path):
+    """DeepSeek-V3's e_score_correction_bias changes which experts are chosen: with the bias
+    zeroed the reference leaves Hugging Face's logits; with it, it matches them."""
+    out = tmp_path / "ckpt"
+    convert(examples["tiny-deepseek-v3"], out)
+    with torch.no_grad():
+        ref = hf_models["tiny-deepseek-v3"](torch.tensor([PROMPT])).logits[0]
+    ckpt = load_checkpoint(out)
+    good = ReferenceModel(ckpt).forward(Batch.single(PROMPT), all_logits=True)
+    for name, tensor in ckpt.ranks[0].items():
+        if name.endswith("e_score_correction_bias"):
+            tensor.zero_()
+    bad = ReferenceModel(ckpt).forward(Batch.single(PROMPT), all_logits=True)
+    assert (good - ref).abs().max() <= 1e-4
+    assert (bad - ref).abs().max() > 1e-2
