@@ -177,3 +177,27 @@ def test_correction_bias_steers_selection_only(examples, hf_models, tmp_path):
     bad = ReferenceModel(ckpt).forward(Batch.single(PROMPT), all_logits=True)
     assert (good - ref).abs().max() <= 1e-4
     assert (bad - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("target,quantize,needle", [
+    ("trtllm-engine", "none", "DeepseekV3ForCausalLM cannot be built for target trtllm-engine: "
+                              "TensorRT-LLM 1.2 has no DeepSeek-V3 engine model"),
+    ("cpu", "fp8", "moepipe does not quantize DeepseekV3ForCausalLM yet"),
+])
+def test_build_refuses_what_the_target_cannot_take(target, quantize, needle, tmp_path):
+    """The convert stage's pre-flight refuses DeepSeek-V3 on the engine target (and DeepSeek
+    quantization) with one line, before any stage runs."""
+    from moepipe.config import parse_config
+    from moepipe.errors import UnsupportedError
+    from moepipe.stages.base import BuildContext
+    from moepipe.stages.convert import STAGE
+
+    data = {"model": {"example": "tiny-deepseek-v3"}, "target": target,
+            "quantize": {"format": quantize}, "workdir": str(tmp_path)}
+    cfg = parse_config(data, "moepipe.yaml", "").resolve_paths(tmp_path)
+    with pytest.raises(UnsupportedError, match=needle):
+        STAGE.preflight(BuildContext(cfg, lambda s: None))
+    data["model"] = {"example": "tiny-deepseek-v2"}
+    if quantize == "none":  # DeepSeek-V2 has an engine path
+        STAGE.preflight(BuildContext(parse_config(data, "moepipe.yaml", "")
+                                     .resolve_paths(tmp_path), lambda s: None))
