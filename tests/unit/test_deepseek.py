@@ -133,6 +133,10 @@ def test_config_json_is_trtllm_deepseek_v2_config(examples, tmp_path):
     assert cfg["topk_method"] == "group_limited_greedy" and cfg["coring_func"] == "softmax"
     assert cfg["first_k_dense_replace"] == 1 and cfg["moe_layer_freq"] == 1
     assert cfg["fp8_format"] is False and cfg["rotary_base"] == 10000.0
+    # the yarn keys upstream's config.py copies from hf_config.rope_scaling, plus type
+    assert cfg["rotary_scaling"] == {"beta_fast": 32, "beta_slow": 1, "factor": 4.0,
+                                     "mscale": 0.707, "mscale_all_dim": 0.707,
+                                     "original_max_position_embeddings": 512, "type": "yarn"}
     assert cfg["moe"] == {"num_experts": 8, "shared_expert_intermediate_size": 64, "top_k": 2,
                           "normalization_mode": 3, "sparse_mixer_epsilon": 0.01, "tp_mode": 0,
                           "device_limited_n_group": 4, "device_limited_topk_group": 2,

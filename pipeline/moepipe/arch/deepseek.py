@@ -56,6 +56,7 @@ class DeepseekSpec(ModelSpec):
     v_head_dim: int = 0
     first_k_dense_replace: int = 0
     routing: dict = field(default_factory=dict)  # RoutingSpec.to_dict() of the HF router
+    rope_scaling: dict | None = None  # TensorRT-LLM ``rotary_scaling`` (yarn) or None
 
     @property
     def qk_head_dim(self) -> int:
@@ -266,8 +267,13 @@ class DeepseekFamily(Family):
     dense_rules: dict[str, Rule] = field(default_factory=dict)
 
     def spec(self, hf_config: dict[str, Any], where: str) -> ModelSpec:
-        base = super().spec(hf_config, where)
         _check_deepseek(hf_config, where)
+        rope_scaling = _yarn(hf_config, where)
+        if rope_scaling is not None:  # the generic checks refuse rope scaling: yarn is ours
+            hf_config = {k: v for k, v in hf_config.items() if k != "rope_scaling"}
+            hf_config["rope_parameters"] = {**(hf_config.get("rope_parameters") or {}),
+                                            "rope_type": "default"}
+        base = super().spec(hf_config, where)
         routing = spec_from_hf(self.hf_architecture, hf_config)
         n_shared = int(hf_config.get("n_shared_experts") or 0)
         extra: dict[str, Any] = {
@@ -278,6 +284,7 @@ class DeepseekFamily(Family):
             "v_head_dim": int(hf_config["v_head_dim"]),
             "first_k_dense_replace": int(hf_config.get("first_k_dense_replace") or 0),
             "routing": routing.to_dict(),
+            "rope_scaling": rope_scaling,
         }
         values: dict[str, Any] = {f.name: getattr(base, f.name) for f in fields(ModelSpec)}
         values.update(shared_expert_intermediate_size=n_shared * base.expert_intermediate_size,
@@ -317,6 +324,7 @@ class DeepseekFamily(Family):
             "moe_layer_freq": 1,
             "coring_func": routing.score,  # sic: TensorRT-LLM's key for scoring_func
             "fp8_format": False,
+            "rotary_scaling": spec.rope_scaling,
         })
         cfg["moe"].update({
             "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
@@ -332,6 +340,33 @@ def _routing(spec: ModelSpec) -> RoutingSpec:
     if isinstance(spec, DeepseekSpec):
         return spec.routing_spec
     raise UnsupportedError(f"{spec.architecture}: not a DeepSeek spec")
+
+
+_YARN_KEYS = ("beta_fast", "beta_slow", "factor", "mscale", "mscale_all_dim",
+              "original_max_position_embeddings")
+
+
+def _yarn(cfg: dict[str, Any], where: str) -> dict[str, Any] | None:
+    """The checkpoint's YaRN scaling as TensorRT-LLM's ``rotary_scaling`` (deepseek_v2/config.py:
+    the six keys plus ``type: yarn``); None for plain RoPE."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise UnsupportedError(f"{where}: rope scaling {kind!r} is not supported for DeepSeek",
+                               "DeepSeek models use yarn (or plain RoPE)")
+    if rope.get("attention_factor") is not None or rope.get("truncate") is False:
+        raise UnsupportedError(f"{where}: yarn with attention_factor / truncate: false is not "
+                               "supported", "TensorRT-LLM's DeepSeek yarn has neither")
+    out = {k: rope.get(k) for k in _YARN_KEYS}
+    if out["original_max_position_embeddings"] is None:
+        raise UnsupportedError(f"{where}: yarn without original_max_position_embeddings",
+                               "the checkpoint's rope scaling is incomplete")
+    if out["factor"] is None:  # transformers: max_position_embeddings / the original
+        out["factor"] = cfg["max_position_embeddings"] / out["original_max_position_embeddings"]
+    out.update(beta_fast=out["beta_fast"] or 32, beta_slow=out["beta_slow"] or 1, type="yarn")
+    return out
 
 
 def _check_deepseek(cfg: dict[str, Any], where: str) -> None:

@@ -48,6 +48,10 @@ _COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_k
                max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
                bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
 
+# DeepSeek's YaRN (V2-Lite: mscale 0.707; V3: 1.0), scaled down to the tiny context
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32, beta_slow=1,
+             original_max_position_embeddings=512)
+
 EXAMPLES: dict[str, Example] = {
     "tiny-mixtral": Example(
         "MixtralConfig", "Mixtral-style: 8 experts, top-2, GQA (4 heads / 2 KV heads)",
@@ -72,24 +76,24 @@ EXAMPLES: dict[str, Example] = {
              attention_bias=False, rope_theta=1e6, decoder_sparse_step=1, mlp_only_layers=[],
              use_sliding_window=False), seed=3456),
     "tiny-deepseek-v2": Example(
-        "DeepseekV2Config", "DeepSeek-V2-Lite-style: MLA without query compression, 1 dense "
-        "layer, 8 experts top-2 in 4 groups (group-limited greedy), 2 shared experts",
+        "DeepseekV2Config", "DeepSeek-V2-Lite-style: MLA without query compression, YaRN, 1 "
+        "dense layer, 8 experts top-2 in 4 groups (group-limited greedy), 2 shared experts",
         dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, vocab_size=512,
              intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
              n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1,
              topk_method="group_limited_greedy", n_group=4, topk_group=2,
              routed_scaling_factor=2.0, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-             qk_rope_head_dim=8, v_head_dim=16,
-             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), seed=5678),
+             qk_rope_head_dim=8, v_head_dim=16, rope_parameters=dict(
+                 _YARN, mscale=0.707, mscale_all_dim=0.707)), seed=5678),
     "tiny-deepseek-v3": Example(
-        "DeepseekV3Config", "DeepSeek-V3-style: MLA with query compression, 1 dense layer, "
+        "DeepseekV3Config", "DeepSeek-V3-style: MLA with query compression, YaRN, 1 dense layer, "
         "8 experts top-2, sigmoid noaux_tc routing with a correction bias, 1 shared expert",
         dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, vocab_size=512,
              intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
              n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=4,
              topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=48,
              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), seed=6789),
+             rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0)), seed=6789),
 }
 
 # Trained examples: sizes that learn in about a minute on 2 cores, hidden and expert widths of

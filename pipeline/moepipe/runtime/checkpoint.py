@@ -54,8 +54,10 @@ def load_checkpoint(path: str | Path) -> TrtllmCheckpoint:
     family = get_family_for_trtllm(cfg["architecture"])
     if cfg.get("position_embedding_type", "rope_gpt_neox") != "rope_gpt_neox":
         raise UnsupportedError(f"position_embedding_type {cfg['position_embedding_type']}")
-    if cfg.get("rotary_scaling"):
-        raise UnsupportedError("rotary_scaling is not implemented by the reference runtime")
+    scaling = cfg.get("rotary_scaling")
+    if scaling and not (cfg.get("kv_lora_rank") and scaling.get("type") == "yarn"):
+        raise UnsupportedError("rotary_scaling is not implemented by the reference runtime "
+                               "(only DeepSeek's yarn)")
     for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                 "output_multiplier_scale"):
         if float(cfg.get(key, 1.0)) != 1.0:

@@ -22,6 +22,7 @@ rotation up to the same permutation of both q and k (so the same scores).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ class MlaDims:
     qk_rope_head_dim: int
     v_head_dim: int
     eps: float
+    rope_scaling: dict | None = None  # TensorRT-LLM rotary_scaling (yarn) or None
+
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> MlaDims | None:
@@ -50,7 +53,8 @@ class MlaDims:
         try:
             return cls(int(cfg.get("q_lora_rank") or 0), int(cfg["kv_lora_rank"]),
                        int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]),
-                       int(cfg["v_head_dim"]), float(cfg.get("norm_epsilon", 1e-6)))
+                       int(cfg["v_head_dim"]), float(cfg.get("norm_epsilon", 1e-6)),
+                       cfg.get("rotary_scaling") or None)
         except KeyError as e:
             raise CheckpointError(f"config.json has kv_lora_rank but lacks {e.args[0]}",
                                   "an MLA checkpoint needs every MLA dimension") from None
@@ -61,7 +65,42 @@ class MlaDims:
 
     @property
     def scale(self) -> float:
-        return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        """Softmax scale: 1/sqrt(qk head dim), times yarn's mscale(mscale_all_dim) squared."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        y = self.rope_scaling
+        if y and y.get("mscale_all_dim"):
+            scale *= _mscale(_factor(y), y["mscale_all_dim"]) ** 2
+        return scale
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _factor(y: dict) -> float:
+    return float(y["factor"])
+
+
+def yarn(dim: int, base: float, y: dict) -> tuple[torch.Tensor, float]:
+    """YaRN inverse frequencies and cos/sin factor (DeepSeek's, as transformers computes them:
+    ``modeling_rope_utils._compute_yarn_parameters`` with truncated correction range)."""
+    factor, orig = _factor(y), float(y["original_max_position_embeddings"])
+    mscale, mscale_all = y.get("mscale"), y.get("mscale_all_dim")
+    attention = _mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all \
+        else _mscale(factor)
+    beta_fast, beta_slow = y.get("beta_fast") or 32, y.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    pos = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low)
+                       / ((high - low) or 0.001), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
+    return inv_freq, float(attention)
 
 
 @dataclass

@@ -169,6 +169,9 @@ class ReferenceModel:
         base = float(cfg.get("rotary_base", 10000.0))
         self.inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float()
                                         / rot_dim))
+        self.rope_factor = 1.0  # cos/sin factor (YaRN)
+        if self.mla is not None and self.mla.rope_scaling:
+            self.inv_freq, self.rope_factor = mla.yarn(rot_dim, base, self.mla.rope_scaling)
         if rot_dim != (self.mla.qk_rope_head_dim if self.mla else self.head_size):
             raise CheckpointError("partial rotary embeddings are not implemented")
         self.layers: list[Layer] = []
@@ -269,7 +272,8 @@ class ReferenceModel:
                                zip(batch.past_lens, batch.seq_lens, strict=True)])
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        f = self.rope_factor
+        cos, sin = f * emb.cos()[:, None, :], f * emb.sin()[:, None, :]
         h = self.embedding[batch.tokens]
         plan = _AttentionPlan.of(batch, cache)
         for layer in self.layers:
