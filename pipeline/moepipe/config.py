@@ -307,7 +307,16 @@ class DeploySection(Section):
     accumulate_tokens: bool = Field(True, description="BLS streaming decodes all tokens so far.")
     max_queue_delay_microseconds: int = Field(0, ge=0, description="How long Triton may hold "
                                               "a request to batch it with others.")
-    max_queue_size: int = Field(0, ge=0, description="0 = unlimited.")
+    max_queue_size: int = Field(0, ge=0, description="Requests that may wait for the engine "
+                                "(Triton's default_queue_policy; TensorRT-LLM's executor and "
+                                "the cpu engine bound their queue of requests waiting for a "
+                                "slot by it too); more are refused at once as busy "
+                                "(UNAVAILABLE: \"Exceeds maximum queue size\"). 0 = unlimited.")
+    queue_timeout_microseconds: int = Field(0, ge=0, description="A request that waited this "
+                                            "long for the engine is refused as busy "
+                                            "(\"Request timeout expired\"; Triton's "
+                                            "default_timeout_microseconds; the cpu engine's "
+                                            "slot queue too). 0 = no limit.")
     instance_count: int = Field(1, ge=1, description="Pre/postprocessing and BLS instances.")
     cpu_threads: int = Field(1, ge=1, description="torch threads of the cpu target's engine.")
     ready_timeout_s: float = Field(180.0, gt=0, description="How long deploy waits for ready.")

@@ -1,18 +1,25 @@
 """Gates that must fail, on a deployment of its own (tp=2, moe_ep=2): tiny-mixtral with its
 routers made skewed, so every token goes to experts 0-3 (EP rank 0) and experts 4-7 idle;
-then the recovery gate with a restart limit of 0 (deploy.max_restarts: the supervisor cleans up
-and gives up; the test kills last)."""
+a burst beyond its bounded queue (deploy.max_queue_size: 8) shed as busy; then the recovery
+gate with a restart limit of 0 (deploy.max_restarts: the supervisor cleans up and gives up;
+the test kills last)."""
 
+import concurrent.futures
+import json
 import os
 import shutil
 import signal
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
 from helpers import make_config
 
 from moepipe.commands.validate import run_validate
-from moepipe.config import BalanceSection, RecoverySection
+from moepipe.config import BalanceSection, BurstSection, RecoverySection
+
+MAX_QUEUE = 8
 
 
 def skew_routers(src, dst):
@@ -44,7 +51,8 @@ def skewed(tmp_path_factory):
     root = tmp_path_factory.mktemp("skewed")
     model = skew_routers(write_example("tiny-mixtral", root / "tiny"), root / "skewed")
     cfg = make_config(root / "work", model={"path": str(model), "example": None},
-                      deploy={"max_restarts": 0})  # supervised, never restarted
+                      # supervised, never restarted; 16 slots + 8 waiting requests at most
+                      deploy={"max_restarts": 0, "max_queue_size": MAX_QUEUE})
     run_build(root / "work" / "moepipe.yaml", echo=lambda s: None)
     run_deploy(cfg, echo=lambda s: None)
     backend = None
@@ -81,6 +89,54 @@ def test_a_skewed_router_fails_the_balance_gate(skewed, tmp_path):
         assert row[4:] == [0.0] * 4
     for row in data["layer_rank"]:  # all of it on EP rank 0
         assert row == [1.0, 0.0]
+
+
+def test_a_burst_beyond_capacity_is_shed_as_busy_and_service_goes_on(skewed, tmp_path):
+    """4/s, then 100/s for 1.5 s (far beyond what 2 cores serve), then 4/s through the
+    ensemble: the requests over a queue bound are refused at once as busy (Triton's "Exceeds
+    maximum queue size", from Triton's queue of a model or the engine's), none fails
+    otherwise, and the requests after the burst are answered normally."""
+    cfg, ep = skewed
+    c = cfg.model_copy(deep=True)
+    c.workdir = tmp_path
+    c.validation.burst = BurstSection(base_rate=4, factor=25, before_s=1.0, burst_s=1.5,
+                                      after_s=3.0, bin_s=0.5)
+    report, _ = run_validate(c, ep.http, ep.grpc, jobs=["burst"], echo=lambda s: None)
+    job = report.jobs[0]
+    cases = {x.name: x for x in job.cases}
+    assert cases["server_survived"].status == "passed", cases["server_survived"]
+    phases = job.data["phases"]
+    assert phases["during"]["rejected"] > 0, phases["during"]
+    for name, p in phases.items():
+        assert p["failed"] == p["timeout"] == 0, (name, p)
+    last = [r for r in job.data["timeline"] if r["t"] >= 4.0]  # the last 1.5 s
+    assert sum(r["ok"] for r in last) > 0 and sum(r["rejected"] for r in last) == 0, last
+    # The engine's bound, as a plain HTTP client sees it: 48 requests at once straight to
+    # tensorrt_llm; its 16 KV-cache slots and 8 waiting places are taken, the rest refused at
+    # once (Triton's HTTP frontend reports an error response as 400, whatever its code).
+    body = {"input_ids": [54, 260, 402, 305, 77], "input_lengths": 5,
+            "request_output_len": 128}
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        answers = list(pool.map(lambda _: _post(ep.http, "tensorrt_llm", body), range(48)))
+    ok = [text for code, text in answers if code == 200]
+    busy = [(code, text) for code, text in answers if code != 200]
+    slots = cfg.build.max_batch_size
+    assert len(ok) >= slots + MAX_QUEUE and busy, answers
+    for code, text in busy:
+        assert code in (400, 503) and "Exceeds maximum queue size: " in text, (code, text)
+        assert f"{slots} slots (deploy.max_queue_size {MAX_QUEUE})" in text, text
+    assert _post(ep.http, "ensemble", {"text_input": "hello", "max_tokens": 4})[0] == 200
+
+
+def _post(url, model, body):
+    req = urllib.request.Request(f"http://{url}/v2/models/{model}/generate",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def test_recovery_fails_with_a_restart_limit_of_0(skewed, tmp_path):

@@ -2,6 +2,7 @@
 (streaming, stop/bad words, min_tokens, penalties, seeds, cancellation) do what they say."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -198,3 +199,57 @@ def test_a_failing_request_fails_alone_and_frees_its_slot(engine, monkeypatch):
     assert all(s.error and "sampling failed" in s.error for s in sinks)
     assert all(s.error is None and len(s.tokens) == 5 for s in good)
     assert sorted(engine._free) == list(range(engine.max_batch_size))
+
+
+def test_a_full_queue_refuses_at_once_as_busy_and_serves_again_after(model):
+    """Slots + deploy.max_queue_size requests are held; the next is refused with Triton's
+    queue-full wording, a multi-row request all-or-nothing, and once the engine drained
+    requests are taken again."""
+    from moepipe.serving.batcher import Busy
+
+    e = Batcher(model, max_batch_size=2, max_seq_len=64, max_input_len=32, max_queue_size=2)
+    held = [run(e, prompt=p, max_new_tokens=3) for p in PROMPTS]  # 2 slots + 2 waiting
+    with pytest.raises(Busy, match="^Exceeds maximum queue size: 2 requests are waiting"):
+        run(e, prompt=PROMPTS[0], max_new_tokens=3)
+    assert e.admission.held == 4 and e.load()["waiting"] == 4  # nothing half-queued
+    e.start()
+    try:
+        for s in held:
+            assert s.done.wait(30) and s.error is None
+        for _ in range(1000):  # a request leaves the bound just after its final response
+            if not e.admission.held:
+                break
+            time.sleep(0.01)
+        assert e.admission.held == 0
+        rows = [GenerationRequest(prompt=p, max_new_tokens=3) for p in PROMPTS[:2]]
+        e.submit_all(rows)  # 2 rows, room for 4
+        assert run(e, prompt=PROMPTS[2], max_new_tokens=3).done.wait(30)
+    finally:
+        e.stop()
+
+
+def test_a_multi_row_request_is_admitted_whole_or_refused_whole(model):
+    from moepipe.serving.batcher import Busy
+
+    e = Batcher(model, max_batch_size=1, max_seq_len=64, max_input_len=32, max_queue_size=1)
+    run(e, prompt=PROMPTS[0], max_new_tokens=3)
+    with pytest.raises(Busy):
+        e.submit_all([GenerationRequest(prompt=p, max_new_tokens=3) for p in PROMPTS[:2]])
+    assert e.admission.held == 1 and e.load()["waiting"] == 1
+    e.stop()
+
+
+def test_a_request_waiting_longer_than_the_queue_timeout_is_refused(model):
+    e = Batcher(model, max_batch_size=1, max_seq_len=64, max_input_len=32,
+                queue_timeout_s=0.5)
+    first = run(e, prompt=PROMPTS[0], max_new_tokens=3)
+    late = Sink()
+    e.submit(GenerationRequest(prompt=PROMPTS[1], max_new_tokens=3, on_tokens=late.on_tokens,
+                               on_error=late.on_error,
+                               arrival_ns=time.monotonic_ns() - 10**9))  # waited 1 s
+    e.start()
+    try:
+        assert late.done.wait(30) and late.error.startswith("Request timeout expired")
+        assert first.done.wait(30) and first.error is None
+    finally:
+        e.stop()

@@ -70,6 +70,9 @@ def test_timeline_bins_by_send_time():
 def test_busy_errors_are_rejections():
     assert classify("in ensemble 'ensemble', Exceeds maximum queue size") == "rejected"
     assert classify("Server is busy: 64 requests waiting") == "rejected"
+    assert classify("Request timeout expired: waited more than 500 ms") == "rejected"
+    assert classify("Maximum queue size of 8 has been reached, please try again later") \
+        == "rejected"
     assert classify("failed to connect to all addresses") == "failed"
 
 

@@ -31,6 +31,7 @@ def common_values(cfg: MoepipeConfig, tokenizer_dir: Path, vocab_size: int) -> d
         "triton_max_batch_size": str(cfg.build.max_batch_size),
         "max_queue_delay_microseconds": str(d.max_queue_delay_microseconds),
         "max_queue_size": str(d.max_queue_size),
+        "queue_timeout_microseconds": str(d.queue_timeout_microseconds),
         "tokenizer_dir": str(tokenizer_dir),
         "add_special_tokens": flag(d.add_special_tokens),
         "skip_special_tokens": flag(d.skip_special_tokens),

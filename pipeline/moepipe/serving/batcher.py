@@ -18,6 +18,7 @@ import torch
 
 from moepipe.runtime.model import Batch, KVCache, ReferenceModel
 from moepipe.runtime.sampling import sample
+from moepipe.serving.admission import Admission, Busy
 from moepipe.serving.request import GenerationRequest, RequestError
 
 log = logging.getLogger("moepipe")
@@ -28,13 +29,16 @@ CANCEL_CHECK_STEPS = 4
 class Batcher:
     def __init__(self, model: ReferenceModel, max_batch_size: int, max_seq_len: int,
                  max_input_len: int | None = None,
-                 on_step: Callable[[ReferenceModel, bool], None] | None = None):
+                 on_step: Callable[[ReferenceModel, bool], None] | None = None,
+                 max_queue_size: int = 0, queue_timeout_s: float = 0.0):
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_input_len = max_input_len or max_seq_len
         self.cache = KVCache(model, max_batch_size, max_seq_len)
         self.on_step = on_step
+        # max_queue_size requests may wait for a slot (0: any number); more are refused (Busy)
+        self.admission = Admission(max_batch_size, max_queue_size, queue_timeout_s)
         self._incoming: queue.Queue[GenerationRequest | None] = queue.Queue()
         self._waiting: list[GenerationRequest] = []
         self._running: list[GenerationRequest] = []
@@ -50,8 +54,16 @@ class Batcher:
     # -- public, thread-safe -------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> None:
         """Queue a request; validation errors are raised here, in the caller's thread."""
-        req.validate(self.model.vocab_size, self.max_input_len, self.max_seq_len)
-        self._incoming.put(req)
+        self.submit_all([req])
+
+    def submit_all(self, reqs: list[GenerationRequest]) -> None:
+        """Queue the rows of one client request, all or none: validation errors and
+        :class:`Busy` (the queue is full) are raised here, in the caller's thread."""
+        for req in reqs:
+            req.validate(self.model.vocab_size, self.max_input_len, self.max_seq_len)
+        self.admission.enter(reqs)
+        for req in reqs:
+            self._incoming.put(req)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="moepipe-engine", daemon=True)
@@ -122,6 +134,7 @@ class Batcher:
         self._finish_stopped()
         if self.steps % CANCEL_CHECK_STEPS == 0:
             self._drop_cancelled()
+        self._expire_waiting()
         admitted: list[GenerationRequest] = []  # out of the queue, not yet running
         self._admitted = admitted  # a failing step fails these with the running ones
         while self._waiting and self._free:
@@ -218,7 +231,19 @@ class Batcher:
         if stopped:
             self._running = [r for r in self._running if r.slot >= 0]
 
+    def _expire_waiting(self) -> None:
+        """Refuse the requests that waited for a slot longer than the queue timeout."""
+        if not self.admission.queue_timeout_ns or not self._waiting:
+            return
+        now = time.monotonic_ns()
+        expired = [r for r in self._waiting if self.admission.expired(r, now)]
+        for req in expired:
+            self._waiting.remove(req)
+            self._fail(req, self.admission.timeout_message())
+
     def _release(self, req: GenerationRequest) -> None:
+        """The request ended (or failed): free its slot and its place in the queue bound."""
+        self.admission.leave(req)
         if req.slot >= 0:
             self._free.append(req.slot)
             self._generators.pop(req.slot, None)
@@ -239,4 +264,4 @@ class Batcher:
         self._running = [r for r in self._running if r.slot >= 0]
 
 
-__all__ = ["Batcher", "GenerationRequest", "RequestError"]
+__all__ = ["Batcher", "Busy", "GenerationRequest", "RequestError"]

@@ -36,7 +36,11 @@ import numpy as np
 # other server or transport error; "timeout": no final response within the per-request limit;
 # "not_sent": the client's own in-flight limit (open loop only).
 OUTCOMES = ("ok", "rejected", "failed", "timeout", "not_sent")
-BUSY_MARKERS = ("exceeds maximum queue size", "server is busy", "busy:", "resource_exhausted")
+# Triton's queue policy (core src/scheduler_utils.cc, src/dynamic_batch_scheduler.cc; the cpu
+# engine answers the same), TensorRT-LLM's executor (executorImpl.cpp enqueueRequests).
+BUSY_MARKERS = ("exceeds maximum queue size", "request timeout expired",
+                "has been reached, please try again later", "server is busy", "busy:",
+                "resource_exhausted")
 
 
 @dataclass

@@ -25,7 +25,8 @@ from moepipe.runtime.checkpoint import load_checkpoint
 from moepipe.runtime.model import ReferenceModel
 from moepipe.runtime.sampling import SamplingParams
 from moepipe.serving import contract
-from moepipe.serving.batcher import Batcher
+from moepipe.serving.admission import QUEUE_TIMEOUT
+from moepipe.serving.batcher import Batcher, Busy
 from moepipe.serving.metrics import ServingMetrics
 from moepipe.serving.request import GenerationRequest, RequestError
 from moepipe.serving.trtllm_metrics import TrtllmMetrics, iteration_values
@@ -76,7 +77,10 @@ class TritonPythonModel:
         self._published = 0.0
         self.engine = Batcher(model, max_batch_size=int(cfg["max_batch_size"]),
                              max_seq_len=int(params["max_seq_len"]),
-                             max_input_len=int(params["max_input_len"]), on_step=self._on_step)
+                             max_input_len=int(params["max_input_len"]), on_step=self._on_step,
+                             max_queue_size=int(params.get("max_queue_size") or 0),
+                             queue_timeout_s=int(params.get("queue_timeout_microseconds")
+                                                 or 0) / 1e6)
         self.outbox = _Outbox()
         # request id -> the generation requests it runs (a `stop` request names them)
         self.live: dict[str, list[GenerationRequest]] = {}
@@ -116,9 +120,18 @@ class TritonPythonModel:
             try:
                 self._submit(request, sender)
             except (RequestError, ValueError) as e:
-                error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
-                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                self._refuse(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            except Busy as e:  # Triton's queue-full answer: UNAVAILABLE (HTTP 503)
+                self._refuse(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
         return None
+
+    def _refuse(self, sender, message, code):
+        # Sent on the outbox thread like every response: sent from here, the FINAL response
+        # raced the outbox's cancellation poll of the same sender, which then asked a released
+        # response factory (tritonserver SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled,
+        # seen under a burst of refusals).
+        error = pb_utils.TritonError(message, code)
+        self.outbox.put(sender.send, pb_utils.InferenceResponse(error=error), FINAL)
 
     def _submit(self, request, sender):
         inputs = {t.name(): t.as_numpy() for t in request.inputs()}
@@ -141,8 +154,11 @@ class TritonPythonModel:
         if request_id:
             with self.live_lock:
                 self.live.setdefault(request_id, []).extend(reqs)
-        for req in reqs:
-            e.submit(req)
+        try:
+            e.submit_all(reqs)
+        except Busy:
+            self._forget(request_id, reqs)
+            raise
 
     def _stop(self, request_id, sender):
         """TensorRT-LLM's handleStopRequest: end the named request's rows with what they have
@@ -152,7 +168,7 @@ class TritonPythonModel:
         with self.live_lock:
             for req in self.live.get(request_id, []):
                 req.stop_requested = True
-        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+        self.outbox.put(sender.send, pb_utils.InferenceResponse(output_tensors=[]), FINAL)
 
     def _forget(self, request_id, reqs):
         if request_id:
@@ -271,7 +287,9 @@ class _Group:
                          flags=self._flags(final, req))
 
     def fail(self, message, req):
-        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+        code = (pb_utils.TritonError.UNAVAILABLE if message.startswith(QUEUE_TIMEOUT)
+                else pb_utils.TritonError.INTERNAL)
+        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
                          flags=self._flags(True, req))
 
 
