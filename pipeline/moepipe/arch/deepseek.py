@@ -57,6 +57,7 @@ class DeepseekSpec(ModelSpec):
     first_k_dense_replace: int = 0
     routing: dict = field(default_factory=dict)  # RoutingSpec.to_dict() of the HF router
     rope_scaling: dict | None = None  # TensorRT-LLM ``rotary_scaling`` (yarn) or None
+    mtp_layers: int = 0  # num_nextn_predict_layers (on disk after the decoder layers; unused)
 
     @property
     def qk_head_dim(self) -> int:
@@ -285,11 +286,21 @@ class DeepseekFamily(Family):
             "first_k_dense_replace": int(hf_config.get("first_k_dense_replace") or 0),
             "routing": routing.to_dict(),
             "rope_scaling": rope_scaling,
+            "mtp_layers": int(hf_config.get("num_nextn_predict_layers") or 0),
         }
         values: dict[str, Any] = {f.name: getattr(base, f.name) for f in fields(ModelSpec)}
         values.update(shared_expert_intermediate_size=n_shared * base.expert_intermediate_size,
                       head_dim=extra["qk_rope_head_dim"])
         return DeepseekSpec(**values, **extra)
+
+    def dropped_for(self, spec: ModelSpec) -> tuple[str, ...]:
+        """DeepSeek-V3's multi-token-prediction layers (``model.layers.{num_layers + i}``), which
+        transformers and TensorRT-LLM's checkpoint do not load."""
+        mtp = spec.mtp_layers if isinstance(spec, DeepseekSpec) else 0
+        if not mtp:
+            return self.dropped
+        layers = "|".join(str(spec.num_layers + i) for i in range(mtp))
+        return (*self.dropped, rf"model\.layers\.({layers})\.")
 
     def rules_for(self, spec: ModelSpec, layer: int) -> dict[str, Rule]:
         if isinstance(spec, DeepseekSpec) and layer < spec.first_k_dense_replace:

@@ -72,6 +72,10 @@ class Family:
         """The rules of decoder layer ``layer`` (families with dense layers override)."""
         return self.layer_rules
 
+    def dropped_for(self, spec: ModelSpec) -> tuple[str, ...]:
+        """Patterns of HF tensors this model carries that TensorRT-LLM does not read."""
+        return self.dropped
+
     def finish_config(self, cfg: dict[str, Any], spec: ModelSpec) -> None:
         """Family-specific edits of the TensorRT-LLM config.json (after the common keys)."""
 

@@ -9,6 +9,7 @@ from typing import Any
 from moepipe.arch import get_family
 from moepipe.arch.family import Family
 from moepipe.arch.spec import ModelSpec
+from moepipe.checkpoints.fp8_block import Fp8BlockReader, block_size
 from moepipe.checkpoints.modelopt import QuantInfo
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.errors import CheckpointError, UnsupportedError
@@ -22,8 +23,11 @@ class HFCheckpoint:
     family: Family
     spec: ModelSpec
     quant: QuantInfo | None = None  # a modelopt unified (quantized) checkpoint
+    fp8_block: tuple[int, int] | None = None  # DeepSeek's block-scaled fp8 (read dequantized)
 
     def reader(self) -> CheckpointReader:
+        if self.fp8_block is not None:
+            return Fp8BlockReader(self.path, self.fp8_block)
         return CheckpointReader(self.path)
 
 
@@ -43,18 +47,23 @@ def open_hf_checkpoint(path: str | Path) -> HFCheckpoint:
                               "moepipe selects the converter by architectures[0]")
     family = get_family(archs[0])
     quant = None
+    fp8 = None
     if "quantization_config" in config:
         method = config["quantization_config"].get("quant_method")
-        if method != "modelopt" or not (path / "hf_quant_config.json").is_file():
-            raise UnsupportedError(
-                f"{path}: is already quantized ({method}); moepipe converts unquantized "
-                "checkpoints and its own (modelopt) quantized ones",
-                "give moepipe the unquantized checkpoint and choose a format in the quantize "
-                "section")
-        quant = QuantInfo.parse(read_json(path / "hf_quant_config.json", "it"),
-                                str(path / "hf_quant_config.json"))
+        fp8 = block_size(config["quantization_config"], str(path / "config.json"))
+        if fp8 is None:
+            if method != "modelopt" or not (path / "hf_quant_config.json").is_file():
+                raise UnsupportedError(
+                    f"{path}: is already quantized ({method}); moepipe converts unquantized "
+                    "checkpoints, DeepSeek's block-scaled fp8 ones and its own (modelopt) "
+                    "quantized ones",
+                    "give moepipe the unquantized checkpoint and choose a format in the "
+                    "quantize section")
+            quant = QuantInfo.parse(read_json(path / "hf_quant_config.json", "it"),
+                                    str(path / "hf_quant_config.json"))
     spec = family.spec(config, str(path / "config.json"))
-    return HFCheckpoint(path=path, config=config, family=family, spec=spec, quant=quant)
+    return HFCheckpoint(path=path, config=config, family=family, spec=spec, quant=quant,
+                        fp8_block=fp8)
 
 
 # Files of a saved Hugging Face tokenizer (what AutoTokenizer reads, and what a deployment copies).

@@ -26,6 +26,7 @@ from moepipe.arch.geometry import Zeros
 from moepipe.arch.hf import HFCheckpoint, open_hf_checkpoint
 from moepipe.arch.rules import RankContext, Rule, SliceRef
 from moepipe.arch.spec import ModelSpec
+from moepipe.checkpoints.fp8_block import SCALE_SUFFIX, Fp8BlockReader
 from moepipe.checkpoints.hashcache import remember
 from moepipe.checkpoints.modelopt import QuantInfo
 from moepipe.checkpoints.st_io import (
@@ -197,6 +198,8 @@ def check_float_sources(names: set[str], reader: CheckpointReader) -> None:
     relabels a tensor (F32 called I32: same bytes, so the sizes still agree) is caught here,
     while planning, before anything is written."""
     for name in sorted(names):
+        if isinstance(reader, Fp8BlockReader) and reader.quantized(name):
+            continue  # read dequantized
         info = reader.info(name)
         if info.dtype.name not in FLOAT_DTYPES:
             raise CheckpointError(
@@ -208,9 +211,11 @@ def check_float_sources(names: set[str], reader: CheckpointReader) -> None:
 
 def unmapped_tensors(plan: Plan, names, family: Family) -> list[str]:
     """HF tensors the plan neither reads nor explicitly drops."""
-    dropped = [re.compile(p) for p in family.dropped]
+    dropped = [re.compile(p) for p in family.dropped_for(plan.spec)]
     return sorted(n for n in names
-                  if n not in plan.sources and not any(p.match(n) for p in dropped))
+                  if n not in plan.sources and not any(p.match(n) for p in dropped)
+                  and not (n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX)
+                           in plan.sources))
 
 
 @dataclass
@@ -333,6 +338,9 @@ def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointRead
         return
     if not isinstance(chunk, SliceRef):  # computed (torch) chunk of a quantized tensor
         writer.write(chunk)
+        return
+    if isinstance(reader, Fp8BlockReader) and reader.quantized(chunk.name):
+        writer.write(reader.read(chunk.name, chunk.index))  # dequantized block-scaled fp8
         return
     region = reader.region(chunk.name, chunk.index)
     src = region.info.dtype
