@@ -25,6 +25,8 @@ LAYER_TENSORS["tiny-qwen2-moe"] = LAYER_TENSORS["tiny-mixtral"] | {
     "mlp.shared_expert_gate.weight"}
 LAYER_TENSORS["tiny-qwen3-moe"] = LAYER_TENSORS["tiny-mixtral"] | {
     "attention.q_layernorm.weight", "attention.k_layernorm.weight"}
+# OLMoE (no TensorRT-LLM model): the same names, its q/k norms span the whole projection
+LAYER_TENSORS["tiny-olmoe"] = LAYER_TENSORS["tiny-qwen3-moe"]
 # DeepSeek (TensorRT-LLM 1.2 tensorrt_llm/models/deepseek_v2/convert.py load_weights_from_hf_model):
 # MLA names without a .weight suffix where upstream writes them so (fused_q_proj, q_b_proj,
 # kv_b_proj); dense layers (index < first_k_dense_replace) are GatedMLPs (fc, gate, proj).

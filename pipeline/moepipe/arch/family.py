@@ -30,6 +30,8 @@ class RuntimeFacts:
     shared_expert_intermediate_size: int
     attn_bias: bool
     shared_expert_gate: bool = True  # False: the shared expert's output is added ungated
+    # q/k RMSNorm over the whole projection (all heads: OLMoE), not per head (Qwen3)
+    qk_norm_projection: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class Family:
     dropped: tuple[str, ...] = (r".*\.rotary_emb\.inv_freq$",)
     # Why TensorRT-LLM 1.2 cannot build an engine of this family (None: it can).
     no_engine: str | None = None
+    # Why TensorRT-LLM 1.2's PyTorch backend cannot serve it (None: it can).
+    no_pytorch: str | None = None
     quantizable: bool = True  # moepipe's quantize stage (modelopt) handles it
 
     def keys(self) -> dict[str, tuple[str, ...]]:

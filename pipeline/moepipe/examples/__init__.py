@@ -94,6 +94,11 @@ EXAMPLES: dict[str, Example] = {
              topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=48,
              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
              rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0)), seed=6789),
+    "tiny-olmoe": Example(
+        "OlmoeConfig", "OLMoE-style: 8 experts, softmax -> top-2 without renormalisation, q/k "
+        "RMSNorm over the whole projection",
+        dict(_COMMON, vocab_size=512, intermediate_size=32, num_experts=8,
+             num_experts_per_tok=2, norm_topk_prob=False, rope_theta=10000.0), seed=7890),
 }
 
 # Trained examples: sizes that learn in about a minute on 2 cores, hidden and expert widths of

@@ -23,6 +23,7 @@ from moepipe.errors import CheckpointError
 from moepipe.quant import dequant
 from moepipe.quant.dequant import ActQuant
 from moepipe.runtime import mla
+from moepipe.runtime.attention_ext import projection_qk_norm
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
 from moepipe.runtime.routing import RouteFn, route_op
 from moepipe.trtllm.mapping import stage_layers
@@ -283,9 +284,7 @@ class ReferenceModel:
                                      cache.k[layer.index][0] if cache else None,
                                      self.mla_absorbed)
             else:
-                attn = torch.zeros_like(h)
-                for r, w in enumerate(layer.ranks):
-                    attn += self._attention(x, w, layer.index, r, cos, sin, plan, cache)
+                attn = self._gqa(x, layer, cos, sin, plan, cache)
             h = h + attn
             x = rms_norm(h, layer.post_norm, self.eps)
             h = h + self._moe(x, layer)
@@ -296,19 +295,40 @@ class ReferenceModel:
         logits = torch.cat([h @ part.T for part in self.lm_head], dim=-1)
         return logits[:, : self.vocab_size]
 
-    def _attention(self, x, w: RankLayer, layer: int, rank: int, cos, sin,
-                   plan: _AttentionPlan, cache: KVCache | None) -> torch.Tensor:
+    def _gqa(self, x, layer: Layer, cos, sin, plan: _AttentionPlan,
+             cache: KVCache | None) -> torch.Tensor:
+        """Grouped-query attention of every tp rank, summed (the all-reduce)."""
+        qkv = [self._qkv(x, w) for w in layer.ranks]
+        if self.ckpt.facts.qk_norm_projection:
+            qkv = projection_qk_norm(qkv, [w.q_norm for w in layer.ranks],
+                                     [w.k_norm for w in layer.ranks], self.num_heads,
+                                     self.num_kv_heads, self.head_size, self.eps)
+        attn = torch.zeros_like(x)
+        for r, w in enumerate(layer.ranks):
+            attn += self._attention(qkv[r], w, layer.index, r, cos, sin, plan, cache)
+        return attn
+
+    def _qkv(self, x, w: RankLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rank's q, k and v projections ``[T, heads_r * head_size]``."""
         hd = self.head_size
-        if w.qkv is None or w.dense is None:
+        if w.qkv is None:
             raise CheckpointError("attention weights missing (an MLA layer without MLA config)")
         qkv = w.quant("qkv", x) @ w.qkv.T
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         q, k, v = qkv.split([w.heads * hd, w.kv_heads * hd, w.kv_heads * hd], dim=-1)
-        q = q.view(-1, w.heads, hd)
-        k = k.view(-1, w.kv_heads, hd)
-        v = v.view(-1, w.kv_heads, hd)
-        if w.q_norm is not None and w.k_norm is not None:
+        return q, k, v
+
+    def _attention(self, qkv, w: RankLayer, layer: int, rank: int, cos, sin,
+                   plan: _AttentionPlan, cache: KVCache | None) -> torch.Tensor:
+        hd = self.head_size
+        if w.dense is None:
+            raise CheckpointError("attention weights missing (an MLA layer without MLA config)")
+        q = qkv[0].reshape(-1, w.heads, hd)
+        k = qkv[1].reshape(-1, w.kv_heads, hd)
+        v = qkv[2].reshape(-1, w.kv_heads, hd)
+        if w.q_norm is not None and w.k_norm is not None \
+                and not self.ckpt.facts.qk_norm_projection:  # per head (Qwen3)
             q = rms_norm(q, w.q_norm, self.eps)
             k = rms_norm(k, w.k_norm, self.eps)
         q = q * cos + _rotate_half(q) * sin

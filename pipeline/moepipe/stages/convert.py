@@ -405,17 +405,14 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
 def _preflight(ctx: BuildContext) -> None:
     """Families the target cannot take are refused before anything runs."""
     from moepipe.arch import get_family
+    from moepipe.arch.targets import check_target
     from moepipe.stages.source import source_spec
 
     spec = source_spec(ctx)
     if spec is None:
         return
     family = get_family(spec.architecture)
-    if ctx.cfg.target == "trtllm-engine" and family.no_engine:
-        raise UnsupportedError(f"{spec.architecture} cannot be built for target trtllm-engine: "
-                               f"{family.no_engine}",
-                               "use target: trtllm-pytorch (serves the Hugging Face checkpoint) "
-                               "or target: cpu")
+    check_target(family, ctx.cfg.target)
     if not family.quantizable and ctx.cfg.quantize.format != "none":
         raise UnsupportedError(f"quantize.format {ctx.cfg.quantize.format}: moepipe does not "
                                f"quantize {spec.architecture} yet",

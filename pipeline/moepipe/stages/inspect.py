@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moepipe.arch import get_family
 from moepipe.arch.hf import open_hf_checkpoint
+from moepipe.arch.targets import check_target
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.config import MoepipeConfig
 from moepipe.stages.base import BuildContext, Stage
@@ -123,6 +125,7 @@ def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
 def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
     source = ctx.model_dir
     result = inspect_checkpoint(source)
+    check_target(get_family(result.data["architecture"]), ctx.cfg.target)
     check_mapping(open_hf_checkpoint(source).spec, Mapping.of(ctx.cfg.parallel))
     data = {k: v for k, v in result.data.items() if k != "path"}  # same input, same bytes
     (out / "inspect.json").write_text(json.dumps(data, indent=2) + "\n")
@@ -132,5 +135,14 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
             "active_parameters": p["active_per_token"], "bytes": result.data["bytes_total"]}
 
 
+def _preflight(ctx: BuildContext) -> None:
+    """A family the target cannot serve is refused before anything runs."""
+    from moepipe.stages.source import source_spec
+
+    spec = source_spec(ctx)
+    if spec is not None:
+        check_target(get_family(spec.architecture), ctx.cfg.target)
+
+
 STAGE = Stage("inspect", 1, applies=lambda cfg: True, settings=_settings, inputs=("source",),
-              tools=(), run=_run)
+              tools=(), run=_run, preflight=_preflight)

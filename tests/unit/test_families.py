@@ -1,0 +1,84 @@
+"""Family specifics of OLMoE and GPT-OSS that parity with transformers (tests/e2e/test_parity.py)
+does not show by itself: what the GPU targets refuse, what a checkpoint may not carry, and the
+per-rank shapes of the published full-size configs (meta device, no weights)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, OlmoeConfig
+
+from moepipe.arch import get_family
+from moepipe.arch.targets import check_target
+from moepipe.config import parse_config
+from moepipe.errors import UnsupportedError
+from moepipe.stages.convert import plan_conversion, unmapped_tensors
+from moepipe.trtllm.mapping import Mapping
+
+# allenai/OLMoE-1B-7B-0924 config.json (the fields that shape tensors)
+OLMOE_1B_7B = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                   num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                   num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                   max_position_embeddings=4096, rope_theta=10000.0, clip_qkv=None,
+                   rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+class MetaReader:
+    def __init__(self, model):
+        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    def has(self, name):
+        return name in self.shapes
+
+    def shape(self, name):
+        return self.shapes[name]
+
+
+def _meta_plan(config, arch, **mapping):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    family = get_family(arch)
+    spec = family.spec({**config.to_dict(), "architectures": [arch]}, "meta")
+    reader = MetaReader(model)
+    plan = plan_conversion(family, spec, Mapping.create(**mapping), "bfloat16", reader)
+    assert unmapped_tensors(plan, reader.shapes, family) == []
+    return plan
+
+
+@pytest.mark.parametrize("target", ["trtllm-engine", "trtllm-pytorch"])
+def test_gpu_targets_refuse_olmoe_before_the_build_runs(target, tmp_path):
+    """TensorRT-LLM 1.2 has no OLMoE (engine or PyTorch backend): the build's pre-flight
+    refuses it in one line; the cpu target and the other families pass."""
+    from moepipe.stages.base import BuildContext
+    from moepipe.stages.inspect import STAGE
+
+    def preflight(example, tgt):
+        data = {"model": {"example": example}, "target": tgt, "workdir": str(tmp_path)}
+        cfg = parse_config(data, "moepipe.yaml", "").resolve_paths(tmp_path)
+        STAGE.preflight(BuildContext(cfg, lambda s: None))
+
+    with pytest.raises(UnsupportedError) as err:
+        preflight("tiny-olmoe", target)
+    assert "OlmoeForCausalLM cannot be" in str(err.value) and "TensorRT-LLM 1.2" in str(err.value)
+    assert "\n" not in str(err.value) and "target: cpu" in err.value.hint
+    preflight("tiny-olmoe", "cpu")
+    preflight("tiny-mixtral", target)
+    check_target(get_family("MixtralForCausalLM"), target)
+
+
+def test_olmoe_clip_qkv_is_refused():
+    cfg = {**OlmoeConfig(**{**OLMOE_1B_7B, "clip_qkv": 8.0}).to_dict(),
+           "architectures": ["OlmoeForCausalLM"]}
+    with pytest.raises(UnsupportedError, match="clip_qkv 8.0"):
+        get_family("OlmoeForCausalLM").spec(cfg, "config.json")
+
+
+def test_olmoe_1b_7b_shapes_on_meta_device():
+    """q/k norms span the whole projection: each rank keeps its heads' slice of the weight."""
+    plan = _meta_plan(OlmoeConfig(**OLMOE_1B_7B), "OlmoeForCausalLM", tp=4, moe_ep=4)
+    s = {t.name: t.shape for t in plan.ranks[1]}
+    assert s["transformer.layers.0.attention.q_layernorm.weight"] == (2048 // 4,)
+    assert s["transformer.layers.0.attention.k_layernorm.weight"] == (2048 // 4,)
+    assert s["transformer.layers.0.attention.qkv.weight"] == (3 * 2048 // 4, 2048)
+    assert s["transformer.layers.0.mlp.fc.weight"] == (16, 2 * 1024, 2048)
+    assert s["transformer.layers.0.mlp.router.weight"] == (64, 2048)
+    assert plan.config()["moe"]["normalization_mode"] == 0  # softmax -> top-k, no renorm
+    assert plan.config()["qk_layernorm"] is True
