@@ -205,3 +205,25 @@ def test_build_refuses_what_the_target_cannot_take(target, quantize, needle, tmp
     if quantize == "none":  # DeepSeek-V2 has an engine path
         STAGE.preflight(BuildContext(parse_config(data, "moepipe.yaml", "")
                                      .resolve_paths(tmp_path), lambda s: None))
+
+
+def test_engine_problems_of_deepseek_v2_follow_upstream_model_py():
+    """TensorRT-LLM 1.2 deepseek_v2/model.py: MoE when ``layer_idx > 0`` (one dense layer) and
+    ``config.rotary_scaling['beta_fast']`` etc. read unconditionally."""
+    import transformers
+
+    from moepipe.arch import get_family
+    from moepipe.examples import EXAMPLES
+
+    family = get_family("DeepseekV2ForCausalLM")
+    example = EXAMPLES["tiny-deepseek-v2"]
+
+    def spec(**change):
+        cfg = transformers.DeepseekV2Config(**{**example.config, **change}).to_dict()
+        return family.spec({**cfg, "architectures": ["DeepseekV2ForCausalLM"]}, "test")
+
+    assert family.engine_problem(spec()) is None
+    assert "first_k_dense_replace 2" in family.engine_problem(spec(first_k_dense_replace=2))
+    plain = {"rope_type": "default", "rope_theta": 10000.0}
+    assert "yarn" in family.engine_problem(spec(rope_parameters=plain))
+    assert "no DeepSeek-V3 engine" in get_family("DeepseekV3ForCausalLM").engine_problem(spec())

@@ -293,6 +293,22 @@ class DeepseekFamily(Family):
                       head_dim=extra["qk_rope_head_dim"])
         return DeepseekSpec(**values, **extra)
 
+    def engine_problem(self, spec: ModelSpec) -> str | None:
+        """TensorRT-LLM 1.2's deepseek_v2/model.py builds MoE for ``layer_idx > 0`` (one dense
+        layer) and reads the yarn keys of ``rotary_scaling`` unconditionally."""
+        if self.no_engine or not isinstance(spec, DeepseekSpec):
+            return self.no_engine
+        if spec.first_k_dense_replace != 1:
+            return (f"TensorRT-LLM 1.2's DeepseekV2 engine model has exactly one dense layer "
+                    f"(deepseek_v2/model.py: MoE when layer_idx > 0); this model has "
+                    f"first_k_dense_replace {spec.first_k_dense_replace}")
+        y = spec.rope_scaling
+        if y is None or any(y.get(k) is None for k in _YARN_KEYS):
+            return ("TensorRT-LLM 1.2's DeepseekV2 engine model reads the yarn rotary_scaling "
+                    "keys (beta_fast, beta_slow, mscale, mscale_all_dim, ...) unconditionally "
+                    "(deepseek_v2/model.py); this model has no complete yarn rope scaling")
+        return None
+
     def dropped_for(self, spec: ModelSpec) -> tuple[str, ...]:
         """DeepSeek-V3's multi-token-prediction layers (``model.layers.{num_layers + i}``), which
         transformers and TensorRT-LLM's checkpoint do not load."""

@@ -76,6 +76,10 @@ class Family:
         """The rules of decoder layer ``layer`` (families with dense layers override)."""
         return self.layer_rules
 
+    def engine_problem(self, spec: ModelSpec) -> str | None:
+        """Why TensorRT-LLM 1.2's engine path cannot build this model (None: it can)."""
+        return self.no_engine
+
     def dropped_for(self, spec: ModelSpec) -> tuple[str, ...]:
         """Patterns of HF tensors this model carries that TensorRT-LLM does not read."""
         return self.dropped

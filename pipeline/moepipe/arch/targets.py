@@ -12,17 +12,20 @@ architectures in ``tensorrt_llm/_torch/models`` (support matrix:
 from __future__ import annotations
 
 from moepipe.arch.family import Family
+from moepipe.arch.spec import ModelSpec
 from moepipe.errors import UnsupportedError
 
 
-def check_target(family: Family, target: str) -> None:
-    """Raise a one-line UnsupportedError when ``target`` cannot serve ``family``."""
+def check_target(family: Family, target: str, spec: ModelSpec | None = None) -> None:
+    """Raise a one-line UnsupportedError when ``target`` cannot serve ``family`` (or, given its
+    ``spec``, this model of it: ``Family.engine_problem``)."""
     arch = family.hf_architecture
-    if target == "trtllm-engine" and family.no_engine:
+    no_engine = family.no_engine if spec is None else family.engine_problem(spec)
+    if target == "trtllm-engine" and no_engine:
         hint = ("use target: trtllm-pytorch (serves the Hugging Face checkpoint) or target: cpu"
                 if not family.no_pytorch else "use target: cpu (moepipe's reference runtime)")
         raise UnsupportedError(f"{arch} cannot be built for target trtllm-engine: "
-                               f"{family.no_engine}", hint)
+                               f"{no_engine}", hint)
     if target == "trtllm-pytorch" and family.no_pytorch:
         raise UnsupportedError(f"{arch} cannot be served by target trtllm-pytorch: "
                                f"{family.no_pytorch}",

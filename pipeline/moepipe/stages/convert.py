@@ -412,7 +412,7 @@ def _preflight(ctx: BuildContext) -> None:
     if spec is None:
         return
     family = get_family(spec.architecture)
-    check_target(family, ctx.cfg.target)
+    check_target(family, ctx.cfg.target, spec)
     if not family.quantizable and ctx.cfg.quantize.format != "none":
         raise UnsupportedError(f"quantize.format {ctx.cfg.quantize.format}: moepipe does not "
                                f"quantize {spec.architecture} yet",

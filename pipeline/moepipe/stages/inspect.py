@@ -125,8 +125,9 @@ def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
 def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
     source = ctx.model_dir
     result = inspect_checkpoint(source)
-    check_target(get_family(result.data["architecture"]), ctx.cfg.target)
-    check_mapping(open_hf_checkpoint(source).spec, Mapping.of(ctx.cfg.parallel))
+    spec = open_hf_checkpoint(source).spec
+    check_target(get_family(result.data["architecture"]), ctx.cfg.target, spec)
+    check_mapping(spec, Mapping.of(ctx.cfg.parallel))
     data = {k: v for k, v in result.data.items() if k != "path"}  # same input, same bytes
     (out / "inspect.json").write_text(json.dumps(data, indent=2) + "\n")
     ctx.echo(format_inspection(result.data))
@@ -141,7 +142,7 @@ def _preflight(ctx: BuildContext) -> None:
 
     spec = source_spec(ctx)
     if spec is not None:
-        check_target(get_family(spec.architecture), ctx.cfg.target)
+        check_target(get_family(spec.architecture), ctx.cfg.target, spec)
 
 
 STAGE = Stage("inspect", 1, applies=lambda cfg: True, settings=_settings, inputs=("source",),
