@@ -120,7 +120,9 @@ def test_stop_is_prompt_with_hung_requests_and_an_invalid_config(faulty):
     from moepipe.deploy.lifecycle import _progress
     from moepipe.deploy.state import read_state
 
-    # The engine's gauges are published every 0.5 s: hang it once they show the request.
+    # Hang the engine once the metrics show the request in flight. Its own running gauge is
+    # published every 0.5 s and may not show it yet (Triton's pending count did): then stop
+    # sees Triton wait for the client's connection with nothing progressing - also hung.
     assert _wait(lambda: (_progress(read_state(state_dir(cfg))) or (0,))[0] >= 1, timeout=10)
     os.kill(stub, signal.SIGSTOP)  # the engine hangs with the request in flight
     config = cfg.workdir / "moepipe.yaml"
@@ -128,11 +130,47 @@ def test_stop_is_prompt_with_hung_requests_and_an_invalid_config(faulty):
     proc = _cli("stop", cwd=cfg.workdir)
     assert proc.returncode == 0, proc.stderr
     # Killed without waiting Triton's exit timeout (30 s), saying why.
-    assert "forced: " in proc.stdout and "exit timeout expired" not in proc.stdout
+    assert "forced: " in proc.stdout and "exit timeout expired" not in proc.stdout, proc.stdout
+    assert "made no progress" in proc.stdout or "nothing progressed" in proc.stdout
     conn.close()
     assert "stopped tritonserver" in proc.stdout and "using the deployment recorded" in \
         proc.stderr
     assert _left(cfg) == []
+
+
+def test_serve_restarts_a_dead_model_process_and_stops_on_ctrl_c(faulty):
+    """Issue 9 case 5 for ``moepipe serve`` (the foreground server): a dead backend process
+    is noticed, the server restarted, and Ctrl-C leaves nothing behind."""
+    cfg = faulty
+    processes.kill_all(_left(cfg))  # the module's deployment, if a test left it running
+    repo = repository_dir(cfg)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moepipe", "serve", str(repo), "--http-port",
+         str(cfg.deploy.http_port), "--grpc-port", str(cfg.deploy.grpc_port),
+         "--metrics-port", str(cfg.deploy.metrics_port), "--max-restarts", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert _wait(lambda: _ready(cfg) or proc.poll() is not None, timeout=240)
+        assert proc.poll() is None, proc.stdout.read()
+        stub = next(p.pid for p in _left(cfg) if p.model == "tensorrt_llm_0_0")
+        killed = time.monotonic()
+        os.kill(stub, signal.SIGKILL)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving again" in line:
+                break
+        assert any("tensorrt_llm_0_0" in x and "restarting (1 of 1)" in x for x in lines), lines
+        assert _ready(cfg) and _generate(cfg)["text_output"]
+        print(f"\nserve: model process killed, serving again after "
+              f"{time.monotonic() - killed:.1f}s")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+        assert _left(cfg) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        processes.kill_all(_left(cfg))
 
 
 def test_lost_server_json_and_orphans_after_sigkill(tmp_path):

@@ -7,7 +7,10 @@ request) for :data:`NO_PROGRESS_S`, waiting for Triton's exit timeout helps nobo
 deployment is killed at once. The same holds when Triton, with nothing in flight, cannot unload a
 model (its log stops counting down live models): a decoupled ensemble that rejected a request
 (e.g. a gRPC input of the wrong datatype) while the client keeps its stream open is never
-released by Triton and would hold the server for its whole exit timeout. A server that did sit
+released by Triton and would hold the server for its whole exit timeout. Likewise when Triton
+waits for client connections or in-flight inferences and nothing progresses for
+:data:`DRAIN_IDLE_S`: an idle keep-alive connection, or a hung request the engine never got to
+report as running. A server that did sit
 out its exit timeout is reported as forced, not graceful. Every process of the deployment
 (server, backend stubs that a killed server left behind, the supervisor) is gone when ``stop``
 returns.
@@ -29,6 +32,10 @@ from moepipe.deploy.state import STATE_FILE, ServerError, ServerState, read_stat
 
 # In-flight requests with no visible progress for this long are hung: stop without waiting.
 NO_PROGRESS_S = 2.0
+# Triton waiting for client connections or in-flight inferences while nothing progresses (no
+# token, no finished request, no engine iteration) for this long is waiting in vain: an idle
+# keep-alive connection, or a hung request whose engine never published it as running.
+DRAIN_IDLE_S = 5.0
 # Unloading that has not released a model for this long, with nothing in flight, is stuck
 # (Python backends can take seconds to wind down on a busy machine; ensembles take none).
 UNLOAD_STALL_S = 12.0
@@ -128,13 +135,18 @@ def _progress(state: ServerState) -> tuple[float, tuple] | None:
         + m.get("nv_inference_pending_request_count", 0)
     return in_flight, (m.get("moepipe_generated_tokens_total", 0),
                        m.get("nv_inference_request_success", 0),
-                       m.get("nv_inference_request_failure", 0))
+                       m.get("nv_inference_request_failure", 0),
+                       # TensorRT-LLM's backend: iteration counter and timestamp (per step)
+                       m.get("nv_trt_llm_general_metrics", 0))
 
 
 _LIVE = re.compile(r"Found (\d+) live models and 0 in-flight non-inference requests")
 _UNLOADED = re.compile(r"successfully unloaded '([^']+)'")
 _UNLOADING = "All models are stopped, unloading models"
 _EXIT_TIMEOUT = "Exit timeout expired"
+# Triton 2.51's shutdown countdowns (http_server.cc, grpc server, server.cc) while it waits.
+_WAITING = re.compile(r"Found (\d+) (HTTP service connections|GRPC service connections|"
+                      r"model versions that have in-flight inferences)")
 
 
 class _ShutdownLog:
@@ -151,6 +163,7 @@ class _ShutdownLog:
         self.unloaded: list[str] = []
         self.unloading = False
         self.timed_out = False
+        self.waiting_for: str | None = None  # what Triton's latest countdown waits for
 
     def read(self) -> None:
         try:
@@ -164,6 +177,8 @@ class _ShutdownLog:
         for line in text[:cut].splitlines():
             self.unloading = self.unloading or _UNLOADING in line
             self.timed_out = self.timed_out or _EXIT_TIMEOUT in line
+            if m := _WAITING.search(line):
+                self.waiting_for = f"{m.group(1)} {m.group(2)}" if int(m.group(1)) else None
             if m := _UNLOADED.search(line):
                 self.unloaded.append(m.group(1))
             if (m := _LIVE.search(line)) and int(m.group(1)) != self.live:
@@ -229,8 +244,13 @@ def terminate(state: ServerState, grace: float) -> tuple[bool, str | None]:
             since = time.monotonic()
         if now is not None:
             last = now
-        if now is not None and now[0] > 0 and time.monotonic() - since > NO_PROGRESS_S:
+        idle = time.monotonic() - since
+        if now is not None and now[0] > 0 and idle > NO_PROGRESS_S:
             reason = f"{now[0]:.0f} request(s) in flight made no progress for {NO_PROGRESS_S:.0f}s"
+            break
+        if shutdown.waiting_for and not shutdown.unloading and idle > DRAIN_IDLE_S:
+            reason = (f"Triton waited for {shutdown.waiting_for} while nothing progressed for "
+                      f"{DRAIN_IDLE_S:.0f}s; killed instead of waiting {state.exit_timeout}s")
             break
         time.sleep(POLL_S)
     return False, reason
