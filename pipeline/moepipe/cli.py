@@ -341,10 +341,14 @@ def serve(repository: Path = typer.Argument(..., help="A rendered model reposito
           http_port: int = typer.Option(8000, "--http-port"),
           grpc_port: int = typer.Option(8001, "--grpc-port"),
           metrics_port: int = typer.Option(8002, "--metrics-port"),
-          timeout: float = typer.Option(180.0, "--timeout", help="Seconds to wait for ready.")
+          timeout: float = typer.Option(180.0, "--timeout", help="Seconds to wait for ready."),
+          max_restarts: int = typer.Option(3, "--max-restarts", min=0,
+                                           help="Times a dead server or model process is "
+                                                "restarted before giving up (exit 1).")
           ) -> None:
-    """Run a rendered repository in the foreground (Ctrl-C stops it cleanly)."""
-    from moepipe.deploy import server
+    """Run a rendered repository in the foreground (Ctrl-C stops it cleanly); a dead server
+    or model process is restarted, up to --max-restarts times."""
+    from moepipe.deploy import server, supervisor
 
     if not (repository / "ensemble" / "config.pbtxt").is_file():
         raise MoepipeError(f"{repository}: not a rendered model repository (no ensemble)",
@@ -354,7 +358,8 @@ def serve(repository: Path = typer.Argument(..., help="A rendered model reposito
                          metrics_port=metrics_port, timeout=timeout)
     _echo(f"serving {repository} (pid {state.pid}): http {state.http}, grpc {state.grpc}, "
           f"metrics {state.metrics}; log {state.log}. Ctrl-C to stop.")
-    code = server.wait(state)
+    code = supervisor.foreground(repository.resolve().parent / ".serve", state, max_restarts,
+                                 _echo)
     (repository.resolve().parent / ".serve" / server.STATE_FILE).unlink(missing_ok=True)
     raise typer.Exit(code)
 

@@ -226,6 +226,12 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
                       f"raise deploy.ready_timeout_s, or see {log}", details=log_tail(log))
 
 
+def terminate(pid: int, grace: float) -> bool:
+    """Stop a foreground server: SIGTERM, SIGKILL after ``grace`` seconds, and what is left
+    of its process group."""
+    return _terminate(pid, grace)
+
+
 def _terminate(pid: int, grace: float) -> bool:
     """SIGTERM, then SIGKILL after ``grace`` seconds; either way, backend stubs left in the
     server's process group (its session, see :func:`start`) are killed afterwards."""
@@ -272,14 +278,3 @@ def stop(state_dir: Path, grace: float | None = None, repository: Path | None = 
     from moepipe.deploy.lifecycle import stop as _stop
 
     return _stop(state_dir, repository, grace)
-
-
-def wait(state: ServerState) -> int:
-    """Wait for a foreground server; Ctrl-C stops it cleanly."""
-    try:
-        while _alive(state.pid):
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        _terminate(state.pid, 40)
-        return 130
-    return 0

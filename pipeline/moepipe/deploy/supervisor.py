@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from moepipe.deploy import processes
@@ -143,6 +144,42 @@ def run(state_dir: Path, repository: str) -> int:
             state.pid = -1
             write_state(state_dir, state)
     return 0
+
+
+def foreground(state_dir: Path, state: ServerState, max_restarts: int,
+               echo: Callable[[str], None]) -> int:
+    """``moepipe serve``: watch a server started in the foreground as the detached supervisor
+    does - a dead server or model process gets the deployment killed and restarted, up to
+    ``max_restarts`` times - until Ctrl-C (exit 130) or giving up (exit 1)."""
+    from moepipe.deploy.server import terminate
+
+    refreshed = time.monotonic()
+    try:
+        while True:
+            why = problem(state)
+            if why is None:
+                if time.monotonic() - refreshed > REFRESH_S:
+                    _record_new_models(state_dir, state)
+                    refreshed = time.monotonic()
+                time.sleep(POLL_S)
+                continue
+            processes.kill_all(processes.deployment_processes(state.repository, state.pid))
+            if state.restarts >= max_restarts:
+                echo(f"{why}; gave up after {state.restarts} restart(s) (--max-restarts "
+                     f"{max_restarts})")
+                return 1
+            failed_at = time.monotonic()
+            echo(f"{why}; restarting ({state.restarts + 1} of {max_restarts})")
+            try:
+                state = restart(state_dir, state)
+            except ServerError as e:
+                echo(f"the restart failed: {e.message}")
+                return 1
+            echo(f"serving again after {time.monotonic() - failed_at:.1f}s "
+                 f"(tritonserver pid {state.pid})")
+    except KeyboardInterrupt:
+        terminate(state.pid, 40)
+        return 130
 
 
 def main() -> None:
