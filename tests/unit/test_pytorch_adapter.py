@@ -201,3 +201,16 @@ def test_stop_without_a_request_id_and_unserved_features_are_refused(model):
     assert "request ID is not provided" in sent[0][0].error.message
     sent = _run(model, _Request(**_inputs([[5]], 1), return_context_logits=True))
     assert "return_context_logits is not supported" in sent[0][0].error.message
+
+
+@pytest.mark.parametrize("name,value", [("temperature", float("nan")), ("temperature", -1.0),
+                                        ("runtime_top_p", float("inf")), ("runtime_top_p", 1.5),
+                                        ("runtime_top_k", -2), ("repetition_penalty", 0.0),
+                                        ("presence_penalty", float("nan"))])
+def test_degenerate_sampling_settings_are_refused_and_others_served(model, name, value):
+    """Issue 9 case 1 on this target: refused at the edge with the setting's name; the next
+    request is served."""
+    dtype = np.int32 if name == "runtime_top_k" else np.float32
+    sent = _run(model, _Request(**_inputs([[5]], 2, **{name: dtype(value)})))
+    assert sent[0][0].error is not None and name in sent[0][0].error.message
+    assert _run(model, _Request(**_inputs([[5]], 2)))[-1][0].outputs["output_ids"][0][0].size

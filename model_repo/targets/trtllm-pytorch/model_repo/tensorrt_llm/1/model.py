@@ -10,8 +10,9 @@ request ends with a response flagged FINAL (also when it fails), and a cancelled
 aborted, and so is a running request when a ``stop`` request with its request id arrives
 (decoupled mode). A request of batch size B > 1 runs as B generations whose responses carry
 ``batch_index``, the last one flagged FINAL (decoupled mode; TensorRT-LLM refuses B > 1
-otherwise). The tensors of features this target does not serve (logits, perf metrics, LoRA,
-p-tuning, guided decoding) are refused by name.
+otherwise). Sampling settings that are not finite or out of range are refused (INVALID_ARG)
+before they reach TensorRT-LLM. The tensors of features this target does not serve (logits,
+perf metrics, LoRA, p-tuning, guided decoding) are refused by name.
 Stop / bad words of one token go to TensorRT-LLM as token ids; longer ones as their
 decoded text, which TensorRT-LLM encodes again.
 """
@@ -53,6 +54,30 @@ def _opt(request, name, default=None, kind=float, row=0):
         return default
     value = t.as_numpy().reshape(-1)
     return kind(value[row if value.size > row else 0]) if value.size else default
+
+
+def _check_sampling(request, row):
+    """Sampling settings that would make a generation step fail (NaN or infinite
+    probabilities) or mean nothing are refused at the edge, as on the cpu target: one bad
+    request must not fail the other requests of its step."""
+    finite = ("temperature", "runtime_top_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty", "len_penalty")
+    for name in finite:
+        value = _opt(request, name, row=row)
+        if value is not None and not np.isfinite(value):
+            raise RequestError(f"{name} must be a finite number, got {value}")
+    temperature = _opt(request, "temperature", row=row)
+    if temperature is not None and temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature}")
+    top_p = _opt(request, "runtime_top_p", row=row)
+    if top_p is not None and not 0 <= top_p <= 1:
+        raise RequestError(f"runtime_top_p must be in [0, 1], got {top_p}")
+    top_k = _opt(request, "runtime_top_k", None, int, row)
+    if top_k is not None and top_k < 0:
+        raise RequestError(f"runtime_top_k must be >= 0, got {top_k}")
+    penalty = _opt(request, "repetition_penalty", row=row)
+    if penalty is not None and penalty <= 0:
+        raise RequestError(f"repetition_penalty must be > 0, got {penalty}")
 
 
 def _words(request, name, row=0):
@@ -185,6 +210,7 @@ class TritonPythonModel:
         bias = np.zeros(0, np.float32) if bias is None or not bias.as_numpy().size \
             else bias.as_numpy().reshape(-1, bias.as_numpy().shape[-1])[row]
         want_log_probs = bool(_opt(request, "return_log_probs", False, bool, row))
+        _check_sampling(request, row)
         sampling = self.SamplingParams(
             max_tokens=max_tokens,
             end_id=_opt(request, "end_id", None, int, row),
