@@ -43,6 +43,8 @@ class Tensor:
     ``linear``: a GEMM weight that a quantization format stores in its own type.
     ``float32``: stored in float32 whatever the model dtype (routing bias; ``router``: the
     router, float32 in TensorRT-LLM's checkpoint, the model dtype in Hugging Face's).
+    ``derived``: only in TensorRT-LLM's checkpoint, computed from other weights (DeepSeek's
+    absorbed ``fused_q_proj``): no bytes in the Hugging Face layout, not a parameter.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Tensor:
     experts: int = 1
     kv_heads: int = 0
     head_dim: int = 0
+    derived: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ class ModelShape:
         h, n = self.hidden_size, self.num_heads
         if self.mla:
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-            a_rows = self.kv_lora_rank + self.qk_rope_head_dim
+            a_rows = a_rows_q = self.kv_lora_rank + self.qk_rope_head_dim
             if self.q_lora_rank:
                 a_rows += self.q_lora_rank
                 yield Tensor("attention.q_a_layernorm.weight", (self.q_lora_rank,))
@@ -145,6 +148,9 @@ class ModelShape:
             # q_a and kv_a fused, replicated (TensorRT-LLM DeepseekV2 fused_a).
             yield Tensor("attention.fused_a.weight", (a_rows, h), linear=True)
             yield Tensor("attention.kv_a_layernorm.weight", (self.kv_lora_rank,))
+            # the absorbed query W_UK^T W_UQ + rope rows (deepseek_v2/convert.py fused_q_proj)
+            yield Tensor("attention.fused_q_proj", (n * a_rows_q, self.q_lora_rank or h),
+                         "heads_rows", derived=True)
             yield Tensor("attention.kv_b_proj.weight",
                          (n * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
                          "heads_rows", linear=True)
@@ -196,7 +202,7 @@ class ModelShape:
 
 @functools.lru_cache(maxsize=64)
 def _parameters(model: ModelShape) -> int:
-    return sum(math.prod(t.shape) * t.experts for t in model.all_tensors())
+    return sum(math.prod(t.shape) * t.experts for t in model.all_tensors() if not t.derived)
 
 
 # -- reading config.json --------------------------------------------------------------------
@@ -281,7 +287,10 @@ def _deepseek(cfg, where, name):
         qk_nope_head_dim=_get(cfg, where, "qk_nope_head_dim"),
         qk_rope_head_dim=_get(cfg, where, "qk_rope_head_dim"),
         v_head_dim=_get(cfg, where, "v_head_dim"),
-        routing_bias=cfg.get("topk_method") == "noaux_tc",
+        # transformers' DeepSeek-V3 router always has the bias (its config.json may not say
+        # topk_method); the Hub's remote-code configs say noaux_tc
+        routing_bias=cfg.get("topk_method") == "noaux_tc" or (
+            arch == "DeepseekV3ForCausalLM" and cfg.get("topk_method") is None),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
         published_quant=published)
 

@@ -89,6 +89,8 @@ def tensor_bytes(t: Tensor, count: int, shape: tuple[int, ...], fmt: str, dtype:
     """Bytes of ``count`` matrices of ``shape`` of tensor ``t`` in format ``fmt``
     (``hf_layout``: as the Hugging Face checkpoint stores it, router in the model dtype)."""
     elems = math.prod(shape)
+    if t.derived and hf_layout:
+        return 0
     if t.float32 and not (hf_layout and t.router):
         return count * elems * 4
     base = DTYPE_BYTES[dtype]
