@@ -227,3 +227,21 @@ def test_engine_problems_of_deepseek_v2_follow_upstream_model_py():
     plain = {"rope_type": "default", "rope_theta": 10000.0}
     assert "yarn" in family.engine_problem(spec(rope_parameters=plain))
     assert "no DeepSeek-V3 engine" in get_family("DeepseekV3ForCausalLM").engine_problem(spec())
+
+
+def test_engine_kv_estimate_counts_one_latent_per_token_and_layer(tmp_path):
+    """MLA caches kv_lora_rank + qk_rope_head_dim elements per token and layer, one head
+    replicated over tp (planner-deepseek-facts A1), not 2 x heads x head_dim."""
+    from moepipe.config import parse_config
+    from moepipe.examples import example_spec
+    from moepipe.trtllm.engine import engine_memory
+    from moepipe.trtllm.mapping import Mapping
+
+    data = {"model": {"example": "tiny-deepseek-v2"}, "target": "trtllm-engine",
+            "build": {"max_batch_size": 2, "max_input_len": 64, "max_seq_len": 128},
+            "workdir": str(tmp_path)}
+    cfg = parse_config(data, "moepipe.yaml", "")
+    spec = example_spec("tiny-deepseek-v2")
+    for tp in (1, 2, 4):
+        mem = engine_memory(cfg, spec, Mapping.create(tp=tp), 10**6, 2)
+        assert mem["kv_cache"] == 3 * (32 + 8) * 2 * 128 * 2

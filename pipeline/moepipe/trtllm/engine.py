@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moepipe.arch.mla import DeepseekSpec
 from moepipe.errors import CheckpointError, ConfigError, EnvironmentMissing, UnsupportedError
 from moepipe.trtllm.mapping import Mapping, check_mapping, stage_layers
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
@@ -141,6 +142,14 @@ def _activation_dtype(cfg: MoepipeConfig, spec: ModelSpec) -> str:
     return spec.torch_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
 
 
+def _kv_width(spec: ModelSpec, kv_heads: int) -> int:
+    """KV-cache elements per token and layer on one rank: K and V of the rank's KV heads, or
+    MLA's one latent (kv_lora_rank + qk_rope_head_dim, one head, replicated over tp)."""
+    if isinstance(spec, DeepseekSpec):
+        return spec.kv_lora_rank + spec.qk_rope_head_dim
+    return 2 * kv_heads * spec.head_dim
+
+
 def engine_memory(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping, weight_bytes: int,
                   kv_dtype_bytes: int) -> dict[str, int]:
     """Bytes one GPU needs for the engine limits of ``cfg.build``, on the busiest pipeline
@@ -156,9 +165,10 @@ def engine_memory(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping, weight_
     * weights = rank_params / model_params x weight_bytes - each rank's share of the
       parameters (:func:`rank_params`) at the model's mean bytes per parameter;
     * kv_cache = 2 (K and V) x layers of the stage x ceil(kv_heads / tp) x head_dim x tokens x
-      kv_dtype_bytes, tokens = max_batch_size x (max_input_len + max_beam_width x
-      (max_seq_len - max_input_len)): every request at full length, generated tokens per beam
-      (TensorRT-LLM's per-rank KV size: local layers, KV heads duplicated when fewer than tp);
+      kv_dtype_bytes (MLA: layers x (kv_lora_rank + qk_rope_head_dim) x tokens x bytes),
+      tokens = max_batch_size x (max_input_len + max_beam_width x (max_seq_len -
+      max_input_len)): every request at full length, generated tokens per beam (TensorRT-LLM's
+      per-rank KV size: local layers, KV heads duplicated when fewer than tp);
     * activations = max(act_bytes x T x A x c(tp), 70 MiB), c = 22, 13, 10, 10 for tp = 1, 2,
       4, 8+ (aiconfigurator's TensorRT-LLM fit for MoE models; TensorRT sizes the activation
       workspace at build time from max_num_tokens; pp does not shrink it), act_bytes the bytes
@@ -186,7 +196,7 @@ def engine_memory(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping, weight_
         layers = len(stage_layers(spec.num_layers, mapping.pp, stage))
         usage = {
             "weights": rank_params(spec, mapping, stage) * weight_bytes // total_params,
-            "kv_cache": 2 * layers * kv_heads * spec.head_dim * kv_tokens * kv_dtype_bytes,
+            "kv_cache": layers * _kv_width(spec, kv_heads) * kv_tokens * kv_dtype_bytes,
             "activations": activations,
             "moe_workspace": moe_workspace,
             "runtime": runtime,
