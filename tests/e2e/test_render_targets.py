@@ -214,22 +214,23 @@ def test_queue_policy_comes_from_deploy_for_every_target(examples, checkpoint, t
     inflight_batcher_llm/tensorrt_llm/config.pbtxt: ``default_queue_policy: { max_queue_size:
     ${max_queue_size} }``), which the tensorrtllm backend hands to its executor as
     ExecutorConfig maxQueueSize (triton-inference-server/tensorrtllm_backend
-    inflight_batcher_llm/src/model_instance_state.cc at c2e65b8); the llmapi template has no
-    dynamic_batching, so for trtllm-pytorch only Triton's own queue is bounded. The cpu
-    engine bounds its own queue (parameters): Triton's queue in front of its Python model is
-    left unbounded, as a bound there sheds requests while KV-cache slots are free. Timeouts
-    reject (Triton's default timeout_action)."""
+    inflight_batcher_llm/src/model_instance_state.cc at c2e65b8). The Python models bound
+    their engine's queue themselves (parameter): the cpu engine, and trtllm-pytorch's model
+    (upstream's llmapi template has no dynamic_batching and the LLM API no bound); Triton's
+    queue in front of a Python model is left unbounded, as a bound there sheds requests while
+    KV-cache slots are free. Timeouts reject (Triton's default timeout_action)."""
     for target in TARGETS:
         deploy, _ = render(target, examples["tiny-mixtral"], checkpoint, tmp_path / target,
                            max_queue_size=8, queue_timeout_microseconds=250000)
         cfgs = configs(deploy)
         policy = cfgs["tensorrt_llm"].dynamic_batching.default_queue_policy
-        if target == "cpu":
+        if target in ("cpu", "trtllm-pytorch"):
             assert parameters(cfgs["tensorrt_llm"])["max_queue_size"] == "8"
-            assert parameters(cfgs["tensorrt_llm"])["queue_timeout_microseconds"] == "250000"
             assert policy.max_queue_size == 0 and policy.default_timeout_microseconds == 250000
         else:
             assert (policy.max_queue_size, policy.default_timeout_microseconds) == (8, 250000)
+        if target == "cpu":  # the engine's own queue times out too
+            assert parameters(cfgs["tensorrt_llm"])["queue_timeout_microseconds"] == "250000"
         assert type(policy).TimeoutAction.Name(policy.timeout_action) == "REJECT"
         assert not policy.allow_timeout_override
         pre = cfgs["preprocessing"].dynamic_batching.default_queue_policy

@@ -39,7 +39,7 @@ class _Response:
 
 
 class _Error:
-    INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
+    INVALID_ARG, INTERNAL, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "UNAVAILABLE"
 
     def __init__(self, message, code=None):
         self.message, self.code = message, code
@@ -137,7 +137,7 @@ def model(request, monkeypatch, tmp_path):
     spec.loader.exec_module(module)
     instance = module.TritonPythonModel()
     params = {"exclude_input_in_output": "false", "trtllm_container": "c",
-              "trtllm_version": "stand-in"}
+              "trtllm_version": "stand-in", "max_queue_size": "1"}
     instance.initialize({"model_config": json.dumps({
         "max_batch_size": 4, "model_transaction_policy": {"decoupled": request.param},
         "parameters": {k: {"string_value": v} for k, v in params.items()}})})
@@ -214,3 +214,27 @@ def test_degenerate_sampling_settings_are_refused_and_others_served(model, name,
     sent = _run(model, _Request(**_inputs([[5]], 2, **{name: dtype(value)})))
     assert sent[0][0].error is not None and name in sent[0][0].error.message
     assert _run(model, _Request(**_inputs([[5]], 2)))[-1][0].outputs["output_ids"][0][0].size
+
+
+def test_generations_beyond_the_slots_and_the_queue_bound_are_refused_as_busy(model):
+    """max_batch_size 4 + deploy.max_queue_size 1: a sixth generation is refused at once,
+    UNAVAILABLE in Triton's queue-policy words; once they end, requests are served again."""
+    if not model.decoupled:
+        pytest.skip("non-decoupled execute() waits for its request (documented)")
+    held = [_Request(f"r{i}", **_inputs([[5]], 100000)) for i in range(5)]
+    model.execute(held)
+    sent = _run(model, _Request(**_inputs([[5]], 1)))
+    error = sent[0][0].error
+    assert error.code == "UNAVAILABLE"
+    assert error.message == ("Exceeds maximum queue size: 1 requests are waiting for one of 4 "
+                             "slots (deploy.max_queue_size 1); retry later")
+    time.sleep(0.05)  # the generations have started (a stop finds only started ones)
+    model.execute([_Request(f"r{i}", **_inputs([[0]], 0), stop=True) for i in range(5)])
+    for r in held:
+        assert r.sender.done.wait(10)
+    for _ in range(500):  # a generation leaves the bound just after its final response
+        if not model.held:
+            break
+        time.sleep(0.01)
+    sent = _run(model, _Request(**_inputs([[10, 11]], 2)))
+    assert sent[-1][0].outputs["output_ids"][0][0].tolist() == [10, 11, 12, 13]

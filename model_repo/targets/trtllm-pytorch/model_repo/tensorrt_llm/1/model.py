@@ -33,6 +33,11 @@ class RequestError(ValueError):
     """A request the client can fix (answered as INVALID_ARG)."""
 
 
+class Busy(RuntimeError):
+    """Every slot is taken and deploy.max_queue_size generations wait (answered as
+    UNAVAILABLE, in the words of Triton's queue policy: core src/scheduler_utils.cc)."""
+
+
 # Inputs of TensorRT-LLM's tensor contract this target does not serve: refused when given.
 UNSUPPORTED = ("return_context_logits", "return_generation_logits", "return_perf_metrics",
                "prompt_embedding_table", "prompt_vocab_size", "lora_task_id", "lora_weights",
@@ -136,6 +141,11 @@ class TritonPythonModel:
                                        name="moepipe-trtllm-requests")
         self.thread.start()
         self.live = {}  # request id -> running generations (a `stop` request aborts them)
+        # Generations held (running or waiting in TensorRT-LLM); more than max_batch_size +
+        # max_queue_size are refused as busy (0: no bound), as the cpu engine does.
+        self.slots, self.max_queue = int(cfg["max_batch_size"]), int(
+            params.get("max_queue_size") or 0)
+        self.held, self.held_lock = 0, threading.Lock()
 
     def execute(self, requests):
         jobs = []
@@ -147,8 +157,10 @@ class TritonPythonModel:
                     jobs.append((None, sender))
                     continue
                 rows = self._rows(request)
+                self._admit(len(rows))
             except Exception as e:  # answered here: execute must not raise in decoupled mode
                 code = pb_utils.TritonError.INVALID_ARG if isinstance(e, ValueError) \
+                    else pb_utils.TritonError.UNAVAILABLE if isinstance(e, Busy) \
                     else pb_utils.TritonError.INTERNAL
                 error = pb_utils.TritonError(str(e), code)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
@@ -164,6 +176,17 @@ class TritonPythonModel:
             if future is not None:
                 future.result()
         return [sender.response for _, sender in jobs]
+
+    def _admit(self, n):
+        """Hold ``n`` more generations (the rows of one request, all or none) or raise Busy."""
+        with self.held_lock:
+            if self.max_queue and self.held and \
+                    self.held + n > self.slots + self.max_queue:
+                waiting = max(0, self.held - self.slots)
+                raise Busy(f"Exceeds maximum queue size: {waiting} requests are waiting for "
+                           f"one of {self.slots} slots (deploy.max_queue_size "
+                           f"{self.max_queue}); retry later")
+            self.held += n
 
     def _stop(self, request_id, sender):
         """TensorRT-LLM's handleStopRequest: abort the named request; answer the stop request
@@ -280,6 +303,8 @@ class TritonPythonModel:
                             flags=FINAL)
                 done = True
         finally:
+            with self.held_lock:
+                self.held -= 1
             if watch is not None:
                 watch.cancel()
             running = self.live.get(job["id"], [])
