@@ -245,3 +245,14 @@ def test_engine_kv_estimate_counts_one_latent_per_token_and_layer(tmp_path):
     for tp in (1, 2, 4):
         mem = engine_memory(cfg, spec, Mapping.create(tp=tp), 10**6, 2)
         assert mem["kv_cache"] == 3 * (32 + 8) * 2 * 128 * 2
+
+
+def test_dense_layers_must_split_evenly():
+    from moepipe.examples import example_spec
+    from moepipe.trtllm.mapping import Mapping, mapping_problems
+
+    spec = example_spec("tiny-deepseek-v2")  # dense intermediate 96
+    assert not mapping_problems(spec, Mapping.create(tp=4))
+    odd = type(spec)(**{**spec.to_dict(), "dense_intermediate_size": 90})
+    assert "dense intermediate size 90 is not divisible by tp=4" in \
+        mapping_problems(odd, Mapping.create(tp=4))

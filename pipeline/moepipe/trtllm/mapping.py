@@ -171,6 +171,11 @@ def mapping_problems(spec: Shardable, m: Mapping) -> list[str]:
                         f"is not divisible by tp={m.tp}")
     if m.pp > spec.num_layers:
         problems.append(f"pp={m.pp} exceeds the number of layers ({spec.num_layers})")
+    # dense layers (DeepSeek's first_k_dense_replace; the planner's dense_layers) split by tp
+    dense = getattr(spec, "first_k_dense_replace", 0) or len(getattr(spec, "dense_layers", ()))
+    inter = int(getattr(spec, "dense_intermediate_size", 0) or 0)
+    if dense and inter % m.tp:
+        problems.append(f"dense intermediate size {inter} is not divisible by tp={m.tp}")
     return problems
 
 
