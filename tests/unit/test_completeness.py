@@ -27,6 +27,10 @@ LAYER_TENSORS["tiny-qwen3-moe"] = LAYER_TENSORS["tiny-mixtral"] | {
     "attention.q_layernorm.weight", "attention.k_layernorm.weight"}
 # OLMoE (no TensorRT-LLM model): the same names, its q/k norms span the whole projection
 LAYER_TENSORS["tiny-olmoe"] = LAYER_TENSORS["tiny-qwen3-moe"]
+# GPT-OSS (TensorRT-LLM serves it on the PyTorch backend only): biases, sinks
+LAYER_TENSORS["tiny-gpt-oss"] = LAYER_TENSORS["tiny-mixtral"] | {
+    "attention.qkv.bias", "attention.dense.bias", "attention.sinks", "mlp.router.bias",
+    "mlp.fc.bias", "mlp.proj.bias"}
 # DeepSeek (TensorRT-LLM 1.2 tensorrt_llm/models/deepseek_v2/convert.py load_weights_from_hf_model):
 # MLA names without a .weight suffix where upstream writes them so (fused_q_proj, q_b_proj,
 # kv_b_proj); dense layers (index < first_k_dense_replace) are GatedMLPs (fc, gate, proj).

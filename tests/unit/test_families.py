@@ -4,7 +4,7 @@ per-rank shapes of the published full-size configs (meta device, no weights)."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, OlmoeConfig
+from transformers import AutoModelForCausalLM, GptOssConfig, OlmoeConfig
 
 from moepipe.arch import get_family
 from moepipe.arch.targets import check_target
@@ -19,6 +19,16 @@ OLMOE_1B_7B = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
                    num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
                    max_position_embeddings=4096, rope_theta=10000.0, clip_qkv=None,
                    rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+# openai/gpt-oss-20b config.json (bf16 shapes; the published weights are MXFP4)
+GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                   num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                   head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                   max_position_embeddings=131072, swiglu_limit=7.0,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                    "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                    "original_max_position_embeddings": 4096})
 
 
 class MetaReader:
@@ -82,3 +92,58 @@ def test_olmoe_1b_7b_shapes_on_meta_device():
     assert s["transformer.layers.0.mlp.router.weight"] == (64, 2048)
     assert plan.config()["moe"]["normalization_mode"] == 0  # softmax -> top-k, no renorm
     assert plan.config()["qk_layernorm"] is True
+
+
+def test_gpt_oss_is_refused_by_the_engine_target_only(tmp_path):
+    """TensorRT-LLM 1.2 serves GPT-OSS on the PyTorch backend only."""
+    from moepipe.stages.base import BuildContext
+    from moepipe.stages.inspect import STAGE
+
+    for target in ("cpu", "trtllm-pytorch", "trtllm-engine"):
+        data = {"model": {"example": "tiny-gpt-oss"}, "target": target,
+                "workdir": str(tmp_path)}
+        cfg = parse_config(data, "moepipe.yaml", "").resolve_paths(tmp_path)
+        if target != "trtllm-engine":
+            STAGE.preflight(BuildContext(cfg, lambda s: None))
+            continue
+        with pytest.raises(UnsupportedError, match="PyTorch backend only") as err:
+            STAGE.preflight(BuildContext(cfg, lambda s: None))
+        assert "target: trtllm-pytorch" in err.value.hint
+
+
+def test_gpt_oss_mxfp4_checkpoints_are_refused_in_one_line(tmp_path):
+    import json
+
+    from moepipe.arch.hf import open_hf_checkpoint
+
+    cfg = {**GptOssConfig(**GPT_OSS_20B).to_dict(), "architectures": ["GptOssForCausalLM"],
+           "quantization_config": {"quant_method": "mxfp4",
+                                   "modules_to_not_convert": ["model.layers.*.self_attn"]}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedError, match="MXFP4 checkpoints") as err:
+        open_hf_checkpoint(tmp_path)
+    assert "Mxfp4Config(dequantize=True)" in err.value.hint
+
+
+def test_gpt_oss_20b_shapes_and_config_on_meta_device():
+    """Sinks split with the heads; experts transposed from [H, 2I] / [I, H]; biases kept."""
+    plan = _meta_plan(GptOssConfig(**GPT_OSS_20B), "GptOssForCausalLM", tp=4, moe_ep=4)
+    s = {t.name: t.shape for t in plan.ranks[2]}
+    layer = "transformer.layers.0."
+    assert s[layer + "attention.qkv.weight"] == ((64 // 4 + 2 * 8 // 4) * 64, 2880)
+    assert s[layer + "attention.qkv.bias"] == ((64 // 4 + 2 * 8 // 4) * 64,)
+    assert s[layer + "attention.dense.bias"] == (2880,)
+    assert s[layer + "attention.sinks"] == (16,)
+    assert s[layer + "mlp.router.bias"] == (32,)
+    assert s[layer + "mlp.fc.weight"] == (8, 2 * 2880, 2880)
+    assert s[layer + "mlp.fc.bias"] == (8, 2 * 2880)
+    assert s[layer + "mlp.proj.weight"] == (8, 2880, 2880)
+    assert s[layer + "mlp.proj.bias"] == (8, 2880)
+    cfg = plan.config()
+    assert cfg["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    assert cfg["sliding_window"] == 128 and cfg["swiglu_limit"] == 7.0
+    assert cfg["rotary_scaling"] == {"type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 4096}
+    assert cfg["moepipe_routing"]["router_bias"] is True
+    assert cfg["moe"]["normalization_mode"] == 1  # top-k of the biased logits, then softmax

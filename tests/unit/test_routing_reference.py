@@ -181,6 +181,8 @@ def test_converted_routing_equals_the_hugging_face_routing(arch):
     logits = torch.randn(64, spec.num_experts, generator=torch.Generator().manual_seed(5))
     bias = torch.randn(spec.num_experts, generator=torch.Generator().manual_seed(6)) * 0.1
     biases = {"correction_bias": bias} if converted.correction_bias else {}
+    if converted.router_bias:  # GPT-OSS
+        biases["router_bias"] = bias
     ids_c, w_c = route(logits, converted, **biases)
     ids_h, w_h = route(logits, spec_from_hf(arch, hf_config), **biases)
     assert torch.equal(ids_c, ids_h)

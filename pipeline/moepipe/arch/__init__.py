@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from moepipe.arch.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from moepipe.arch.family import Family
+from moepipe.arch.gpt_oss import GPT_OSS
 from moepipe.arch.mixtral import FAMILY as MIXTRAL
 from moepipe.arch.olmoe import OLMOE
 from moepipe.arch.qwen import QWEN2_MOE, QWEN3_MOE
 from moepipe.errors import UnsupportedError
 
 REGISTRY: dict[str, Family] = {f.hf_architecture: f for f in (MIXTRAL, QWEN2_MOE, QWEN3_MOE,
-                                                               DEEPSEEK_V2, DEEPSEEK_V3, OLMOE)}
+                                                               DEEPSEEK_V2, DEEPSEEK_V3, OLMOE,
+                                                               GPT_OSS)}
 
 # TensorRT-LLM checkpoints record the same architecture string.
 BY_TRTLLM: dict[str, Family] = {f.trtllm_architecture: f for f in REGISTRY.values()}

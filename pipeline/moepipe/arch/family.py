@@ -32,6 +32,9 @@ class RuntimeFacts:
     shared_expert_gate: bool = True  # False: the shared expert's output is added ungated
     # q/k RMSNorm over the whole projection (all heads: OLMoE), not per head (Qwen3)
     qk_norm_projection: bool = False
+    dense_bias: bool = False  # attention.dense.bias, added once after the all-reduce (GPT-OSS)
+    attention_sinks: bool = False  # attention.sinks: per-head softmax sink logits (GPT-OSS)
+    mlp_bias: bool = False  # mlp.fc.bias / mlp.proj.bias of the routed experts (GPT-OSS)
 
 
 @dataclass(frozen=True)

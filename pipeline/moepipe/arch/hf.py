@@ -51,6 +51,12 @@ def open_hf_checkpoint(path: str | Path) -> HFCheckpoint:
     if "quantization_config" in config:
         method = config["quantization_config"].get("quant_method")
         fp8 = block_size(config["quantization_config"], str(path / "config.json"))
+        if method == "mxfp4":  # GPT-OSS as OpenAI publishes it
+            raise UnsupportedError(
+                f"{path}: MXFP4 checkpoints (quant_method mxfp4) are not converted; moepipe "
+                "reads bf16 / fp16 / fp32 weights",
+                "dequantize it once with transformers (from_pretrained(..., quantization_config="
+                "Mxfp4Config(dequantize=True)) then save_pretrained) or use a bf16 copy")
         if fp8 is None:
             if method != "modelopt" or not (path / "hf_quant_config.json").is_file():
                 raise UnsupportedError(

@@ -99,6 +99,16 @@ EXAMPLES: dict[str, Example] = {
         "RMSNorm over the whole projection",
         dict(_COMMON, vocab_size=512, intermediate_size=32, num_experts=8,
              num_experts_per_tok=2, norm_topk_prob=False, rope_theta=10000.0), seed=7890),
+    "tiny-gpt-oss": Example(
+        "GptOssConfig", "GPT-OSS-style: 8 experts top-2 with a biased router, attention sinks, "
+        "sliding window (4 tokens) on alternate layers, YaRN, biased experts with the clamped "
+        "SwiGLU (limit 1.5 so that the clamp acts)",
+        dict(_COMMON, vocab_size=512, intermediate_size=32, num_local_experts=8,
+             num_experts_per_tok=2, head_dim=16, sliding_window=4, swiglu_limit=1.5,
+             attention_bias=True,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                              "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                              "original_max_position_embeddings": 64}), seed=8901),
 }
 
 # Trained examples: sizes that learn in about a minute on 2 cores, hidden and expert widths of

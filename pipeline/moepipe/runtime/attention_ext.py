@@ -2,12 +2,15 @@
 
 * :func:`projection_qk_norm` - OLMoE's q/k RMSNorm over the whole projection (all heads), with
   the heads split over tensor-parallel ranks: each rank's sum of squares is all-reduced, as
-  vLLM's all-gather before the norm does (``vllm/model_executor/models/olmoe.py``).
+  vLLM's all-gather before the norm does (``vllm/model_executor/models/olmoe.py``);
+* :func:`window_mask` - sliding-window attention (GPT-OSS's ``sliding_attention`` layers);
+* :func:`attend` - attention with per-head sink logits (GPT-OSS).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def projection_qk_norm(qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -30,3 +33,32 @@ def projection_qk_norm(qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]
             raise ValueError("a projection-wide q/k norm needs both norm weights")
         out.append((qn * (q.float() * q_scale), kn * (k.float() * k_scale), v))
     return out
+
+
+def window_mask(mask: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """A causal ``mask`` [..., L] (keys 0..L-1) restricted to the last ``window`` positions
+    before each query at ``q_pos`` [...]: key j is seen when ``j > q_pos - window``
+    (transformers ``sliding_window_overlay``)."""
+    if not window:
+        return mask
+    keys = torch.arange(mask.shape[-1])
+    return mask & (keys > q_pos[..., None] - window)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention (grouped-query); with ``sinks`` [heads] each head's softmax
+    has one more logit, the sink, in its denominator (GPT-OSS). The sink is a zero key and value
+    whose additive mask is the sink logit, so SDPA computes exactly
+    ``softmax([q.k / sqrt(d), sink])[:-1] @ v``. ``q`` [..., heads, n, d], ``mask`` bool
+    broadcastable to [..., heads, n, L]."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    zero = k.new_zeros((*k.shape[:-2], 1, k.shape[-1]))
+    k, v = torch.cat([k, zero], dim=-2), torch.cat([v, zero], dim=-2)
+    heads, n = q.shape[-3], q.shape[-2]
+    bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    bias = bias.expand(*bias.shape[:-3], heads, n, bias.shape[-1])
+    sink = sinks.to(q.dtype)[:, None, None].expand(heads, n, 1)
+    bias = torch.cat([bias, sink.expand(*bias.shape[:-1], 1)], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)

@@ -55,9 +55,9 @@ def load_checkpoint(path: str | Path) -> TrtllmCheckpoint:
     if cfg.get("position_embedding_type", "rope_gpt_neox") != "rope_gpt_neox":
         raise UnsupportedError(f"position_embedding_type {cfg['position_embedding_type']}")
     scaling = cfg.get("rotary_scaling")
-    if scaling and not (cfg.get("kv_lora_rank") and scaling.get("type") == "yarn"):
+    if scaling and scaling.get("type") != "yarn":
         raise UnsupportedError("rotary_scaling is not implemented by the reference runtime "
-                               "(only DeepSeek's yarn)")
+                               "(only yarn)")
     for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                 "output_multiplier_scale"):
         if float(cfg.get(key, 1.0)) != 1.0:

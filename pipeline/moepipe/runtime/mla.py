@@ -93,8 +93,10 @@ def yarn(dim: int, base: float, y: dict) -> tuple[torch.Tensor, float]:
     def correction_dim(rotations: float) -> float:
         return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if y.get("truncate", True):  # GPT-OSS publishes truncate: false
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     pos = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low)
                        / ((high - low) or 0.001), 0, 1)

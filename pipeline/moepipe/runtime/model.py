@@ -23,7 +23,8 @@ from moepipe.errors import CheckpointError
 from moepipe.quant import dequant
 from moepipe.quant.dequant import ActQuant
 from moepipe.runtime import mla
-from moepipe.runtime.attention_ext import projection_qk_norm
+from moepipe.runtime.activations import expert_activation
+from moepipe.runtime.attention_ext import attend, projection_qk_norm, window_mask
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
 from moepipe.runtime.routing import RouteFn, route_op
 from moepipe.trtllm.mapping import stage_layers
@@ -55,6 +56,10 @@ class RankLayer:
     # activation quantizers of the linears (quantized checkpoints), and the KV cache's
     aq: dict[str, ActQuant | None] = field(default_factory=dict)
     kv: ActQuant | None = None
+    sinks: torch.Tensor | None = None  # [heads_r] softmax sink logits (GPT-OSS)
+    window: int = 0  # sliding-window attention over the last `window` positions (0: full)
+    fc_bias: torch.Tensor | None = None  # [E_local, 2*I_r] (GPT-OSS experts)
+    proj_bias: torch.Tensor | None = None  # [E_local, H], on moe_tp rank 0 only
 
     def quant(self, which: str, x: torch.Tensor) -> torch.Tensor:
         q = self.aq.get(which)
@@ -72,6 +77,7 @@ class Layer:
     router_bias: torch.Tensor | None = None  # [E] (GPT-OSS style routers)
     correction_bias: torch.Tensor | None = None  # [E] selection-only bias (DeepSeek-V3)
     mla: list[mla.MlaRank] | None = None  # multi-head latent attention per tp rank (DeepSeek)
+    dense_bias: torch.Tensor | None = None  # [H] attention output bias, after the all-reduce
 
 
 @dataclass
@@ -171,8 +177,11 @@ class ReferenceModel:
         self.inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float()
                                         / rot_dim))
         self.rope_factor = 1.0  # cos/sin factor (YaRN)
-        if self.mla is not None and self.mla.rope_scaling:
-            self.inv_freq, self.rope_factor = mla.yarn(rot_dim, base, self.mla.rope_scaling)
+        if cfg.get("rotary_scaling"):
+            self.inv_freq, self.rope_factor = mla.yarn(rot_dim, base, cfg["rotary_scaling"])
+        self.act = expert_activation(cfg)
+        self.windows = [int(cfg.get("sliding_window") or 0) if t == "sliding_attention" else 0
+                        for t in cfg.get("layer_types") or ()]
         if rot_dim != (self.mla.qk_rope_head_dim if self.mla else self.head_size):
             raise CheckpointError("partial rotary embeddings are not implemented")
         self.layers: list[Layer] = []
@@ -247,7 +256,12 @@ class ReferenceModel:
                 heads=heads, kv_heads=kv_heads,
                 aq={"qkv": qkv_aq, "dense": dense_aq, "fc": fc_aq, "proj": proj_aq,
                     "shared_fc": shared_fc_aq, "shared_proj": shared_proj_aq},
-                kv=dequant.kv_quant(self.ckpt.ranks[rank], p + "attention.", self.kv_algo)))
+                kv=dequant.kv_quant(self.ckpt.ranks[rank], p + "attention.", self.kv_algo),
+                sinks=self._get(rank, p + "attention.sinks") if facts.attention_sinks else None,
+                window=self.windows[index] if index < len(self.windows) else 0,
+                fc_bias=self._get(rank, p + "mlp.fc.bias") if facts.mlp_bias and moe else None,
+                proj_bias=self._get(rank, p + "mlp.proj.bias")
+                if facts.mlp_bias and moe and m.moe_tp_rank(rank) == 0 else None))
         r0 = ranks[0]
         return Layer(index=index,
                      input_norm=self._get(r0, p + "input_layernorm.weight"),
@@ -261,7 +275,9 @@ class ReferenceModel:
                      correction_bias=self._get(r0, p + "mlp.e_score_correction_bias")
                      if self.ckpt.routing.correction_bias and moe else None,
                      mla=[mla.load_rank(partial(self._get, r), partial(self._opt, r), p, self.mla)
-                          for r in ranks] if self.mla else None)
+                          for r in ranks] if self.mla else None,
+                     dense_bias=self._get(r0, p + "attention.dense.bias")
+                     if facts.dense_bias else None)
 
     # -- forward -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -306,7 +322,7 @@ class ReferenceModel:
         attn = torch.zeros_like(x)
         for r, w in enumerate(layer.ranks):
             attn += self._attention(qkv[r], w, layer.index, r, cos, sin, plan, cache)
-        return attn
+        return attn if layer.dense_bias is None else attn + layer.dense_bias
 
     def _qkv(self, x, w: RankLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rank's q, k and v projections ``[T, heads_r * head_size]``."""
@@ -339,14 +355,14 @@ class ReferenceModel:
         if plan.decode is not None:
             idx = plan.decode[0]
             out[idx] = self._decode_attention(q[idx], k[idx], v[idx], layer, rank, cache,
-                                              plan.decode[1:])
+                                              plan.decode[1:], w)
         for start, n, past, slot in plan.prefill:
             out[start:start + n] = self._prefill_attention(
                 q[start:start + n], k[start:start + n], v[start:start + n], layer, rank,
-                past, slot, cache)
+                past, slot, cache, w)
         return w.quant("dense", out.reshape(-1, w.heads * hd)) @ w.dense.T
 
-    def _prefill_attention(self, q, k, v, layer, rank, past, slot, cache):
+    def _prefill_attention(self, q, k, v, layer, rank, past, slot, cache, w: RankLayer):
         """One sequence's new tokens (a prompt, or a chunk of one)."""
         n = q.shape[0]
         qs, ks, vs = (t.transpose(0, 1) for t in (q, k, v))
@@ -355,19 +371,18 @@ class ReferenceModel:
             kc[slot, :, past:past + n] = ks
             vc[slot, :, past:past + n] = vs
             ks, vs = kc[slot, :, :past + n], vc[slot, :, :past + n]
-        mask = torch.arange(past + n)[None, :] <= (past + torch.arange(n))[:, None]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-        return o.transpose(0, 1)
+        q_pos = past + torch.arange(n)
+        mask = window_mask(torch.arange(past + n)[None, :] <= q_pos[:, None], q_pos, w.window)
+        return attend(qs, ks, vs, mask, w.sinks).transpose(0, 1)
 
-    def _decode_attention(self, q, k, v, layer, rank, cache, decode):
+    def _decode_attention(self, q, k, v, layer, rank, cache, decode, w: RankLayer):
         kc, vc = cache.k[layer][rank], cache.v[layer][rank]
         slots, past, length, mask = decode
         kc[slots, :, past] = k
         vc[slots, :, past] = v
         keys, values = kc[slots, :, :length], vc[slots, :, :length]
-        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
-                                           enable_gqa=True)
-        return o[:, :, 0, :]
+        mask = window_mask(mask, past[:, None, None], w.window)
+        return attend(q[:, :, None, :], keys, values, mask, w.sinks)[:, :, 0, :]
 
     def _moe(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
         if layer.router is None:  # a dense layer: its MLP is held as an ungated shared expert
@@ -399,8 +414,11 @@ class ReferenceModel:
                 if start == stop:
                     continue
                 idx = token_of[start:stop]
-                up, gate = (w.quant("fc", x[idx]) @ w.fc[local].T).chunk(2, dim=-1)
-                y = w.quant("proj", F.silu(gate) * up) @ w.proj[local].T
+                h1 = w.quant("fc", x[idx]) @ w.fc[local].T
+                up, gate = (h1 if w.fc_bias is None else h1 + w.fc_bias[local]).chunk(2, dim=-1)
+                y = w.quant("proj", self.act(gate, up)) @ w.proj[local].T
+                if w.proj_bias is not None:
+                    y = y + w.proj_bias[local]
                 out.index_add_(0, idx, y * weight_of[start:stop, None])
             self._shared_expert(x, layer, w, out)
         return out
@@ -412,10 +430,15 @@ class ReferenceModel:
         out = torch.zeros_like(x)
         for w in layer.ranks:
             e_loc, inter = w.fc.shape[0], w.fc.shape[1] // 2
-            y = (w.quant("fc", x) @ w.fc_flat.T).view(-1, e_loc, 2, inter)
-            act = w.quant("proj", F.silu(y[:, :, 1]) * y[:, :, 0])
-            act = act * dense[:, w.experts.start:w.experts.stop, None]
-            out += act.reshape(x.shape[0], -1) @ w.proj_flat
+            y = w.quant("fc", x) @ w.fc_flat.T
+            if w.fc_bias is not None:
+                y = y + w.fc_bias.reshape(-1)
+            y = y.view(-1, e_loc, 2, inter)
+            act = w.quant("proj", self.act(y[:, :, 1], y[:, :, 0]))
+            mine = dense[:, w.experts.start:w.experts.stop]
+            out += (act * mine[:, :, None]).reshape(x.shape[0], -1) @ w.proj_flat
+            if w.proj_bias is not None:  # sum over experts of weight * bias
+                out += mine @ w.proj_bias
             self._shared_expert(x, layer, w, out)
         return out
 
