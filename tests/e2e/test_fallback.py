@@ -1,7 +1,9 @@
 """deploy.fallback on the cpu target with two tiny models in one real Triton server: under a
 burst the BLS model sends the primary's overflow to the fallback, no request fails, every
 response names the model that served it, the diversions are counted in a metric, and once the
-burst is over traffic returns to the primary."""
+burst is over traffic returns to the primary; when the primary's process dies, its circuit
+breaker opens and the fallback serves everything (the breaker's half-open probing and closing
+are tested on a fake clock in tests/unit)."""
 
 import re
 import threading
@@ -28,7 +30,8 @@ def with_fallback(tmp_path_factory):
     make_config(root / "small", example="tiny-qwen3-moe")
     run_build(root / "small" / "moepipe.yaml", echo=lambda s: None)
     make_config(root / "main", deploy={"fallback": {
-        "config": str(root / "small" / "moepipe.yaml"), "max_queue": MAX_QUEUE}})
+        "config": str(root / "small" / "moepipe.yaml"), "max_queue": MAX_QUEUE,
+        "cooldown_s": 600}})  # the circuit, once open, stays open for the module's tests
     path = root / "main" / "moepipe.yaml"
     run_build(path, echo=lambda s: None)
     cfg = load_config(path)
@@ -83,3 +86,39 @@ def test_burst_overflow_goes_to_the_fallback_and_traffic_returns(with_fallback):
     assert _diversions(cfg) - before == diverted
     # The burst is over: the primary serves again.
     assert [_served_by(_ask(cfg, i)) for i in range(3)] == ["tensorrt_llm"] * 3
+
+
+def _metric(cfg, name, labels):
+    url = f"http://{cfg.deploy.host}:{cfg.deploy.metrics_port}/metrics"
+    with urllib.request.urlopen(url) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name}\{{{labels}\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_dead_primary_opens_the_circuit_and_no_request_fails(with_fallback):
+    """The primary's backend process dies (the supervisor, which would restart the whole
+    server, is stopped first): its first failures are retried on the fallback, then the
+    circuit opens and requests go straight there; nobody gets an error."""
+    import os
+    import signal
+
+    from moepipe.commands.deploy import repository_dir
+    from moepipe.deploy import processes
+
+    cfg = with_fallback
+    failures = cfg.deploy.fallback.failures
+    procs = processes.deployment_processes(repository_dir(cfg))
+    processes.kill_all([p for p in procs if p.kind == "supervisor"])
+    primary = next(p.pid for p in procs if p.model == "tensorrt_llm_0_0")
+    os.kill(primary, signal.SIGKILL)
+    errors_before = _metric(cfg, "moepipe_fallback_requests_total",
+                            'model="tensorrt_llm_bls",reason="error"')
+    served = [_served_by(_ask(cfg, i)) for i in range(failures + 3)]
+    assert served == ["tensorrt_llm_fallback"] * len(served)
+    retried = _metric(cfg, "moepipe_fallback_requests_total",
+                      'model="tensorrt_llm_bls",reason="error"') - errors_before
+    assert retried == failures  # then the circuit opened: no more tries on the dead primary
+    assert _metric(cfg, "moepipe_fallback_requests_total",
+                   'model="tensorrt_llm_bls",reason="circuit"') >= 3
+    assert _metric(cfg, "moepipe_circuit_state", 'model="tensorrt_llm_bls"') == 1.0  # open
