@@ -141,26 +141,38 @@ def test_stop_is_prompt_with_hung_requests_and_an_invalid_config(faulty):
 def test_serve_restarts_a_dead_model_process_and_stops_on_ctrl_c(faulty):
     """Issue 9 case 5 for ``moepipe serve`` (the foreground server): a dead backend process
     is noticed, the server restarted, and Ctrl-C leaves nothing behind."""
+    import queue
+    import threading
+
     cfg = faulty
     processes.kill_all(_left(cfg))  # the module's deployment, if a test left it running
-    repo = repository_dir(cfg)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moepipe", "serve", str(repo), "--http-port",
+        [sys.executable, "-m", "moepipe", "serve", str(repository_dir(cfg)), "--http-port",
          str(cfg.deploy.http_port), "--grpc-port", str(cfg.deploy.grpc_port),
          "--metrics-port", str(cfg.deploy.metrics_port), "--max-restarts", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+
+    def until(text, timeout=240):
+        seen = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                seen.append(lines.get(timeout=1))
+            except queue.Empty:
+                continue
+            if text in seen[-1]:
+                return seen
+        raise AssertionError(f"no {text!r} from moepipe serve: {seen}")
+
     try:
-        assert _wait(lambda: _ready(cfg) or proc.poll() is not None, timeout=240)
-        assert proc.poll() is None, proc.stdout.read()
+        until("Ctrl-C to stop")  # ready, and its model processes are being watched
         stub = next(p.pid for p in _left(cfg) if p.model == "tensorrt_llm_0_0")
         killed = time.monotonic()
         os.kill(stub, signal.SIGKILL)
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "serving again" in line:
-                break
-        assert any("tensorrt_llm_0_0" in x and "restarting (1 of 1)" in x for x in lines), lines
+        seen = until("serving again")
+        assert any("tensorrt_llm_0_0" in x and "restarting (1 of 1)" in x for x in seen), seen
         assert _ready(cfg) and _generate(cfg)["text_output"]
         print(f"\nserve: model process killed, serving again after "
               f"{time.monotonic() - killed:.1f}s")
