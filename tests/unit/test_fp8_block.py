@@ -113,3 +113,14 @@ def test_bad_fp8_scales_are_one_line_errors(fp8_pair, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedError, match="weight_block_size"):
         convert(bad, tmp_path / "out2")
+
+
+def test_host_memory_estimate_covers_dequantizing_the_largest_fp8_matrix(fp8_pair):
+    from moepipe.stages.convert import BLOCK_BYTES, CONVERT_BASE, convert_memory
+    from moepipe.trtllm.mapping import Mapping
+
+    fp8, plain = fp8_pair
+    largest = max(w.numel() for n, w in load_file(fp8 / "model.safetensors").items()
+                  if w.dtype == torch.float8_e4m3fn)
+    assert convert_memory(fp8, Mapping.create()) == CONVERT_BASE + 16 * BLOCK_BYTES + 17 * largest
+    assert convert_memory(plain, Mapping.create()) == CONVERT_BASE + 16 * BLOCK_BYTES

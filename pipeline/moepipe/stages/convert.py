@@ -376,14 +376,23 @@ def convert_memory(source: Path | None, mapping: Mapping) -> int:
     """Peak host bytes of a conversion. The converter streams 1 MiB blocks (16 in flight); a
     column slice (row-parallel weights at tp > 1, expert down-projections at moe_tp > 1) reads
     one whole source tensor, cuts it and may cast it: about three copies of the largest such
-    tensor."""
+    tensor. A block-scaled fp8 source (DeepSeek) is dequantized matrix by matrix at any mapping:
+    the fp8 bytes, the expanded scales, the float32 weight, their product and a slice - about
+    17 times the largest fp8 matrix."""
     largest = 0  # casts of contiguous data happen block by block: no whole-tensor copy
-    if (mapping.tp > 1 or mapping.moe_tp > 1) and source is not None \
-            and (source / "config.json").is_file():
-        open_hf_checkpoint(source)  # clear errors for a broken folder
-        with CheckpointReader(source) as reader:
+    sliced = mapping.tp > 1 or mapping.moe_tp > 1
+    if source is None or not (source / "config.json").is_file() or not (
+            sliced or "quantization_config" in (source / "config.json").read_text()):
+        return CONVERT_BASE + 16 * BLOCK_BYTES
+    ckpt = open_hf_checkpoint(source)  # clear errors for a broken folder
+    fp8 = 0
+    with ckpt.reader() as reader:
+        if sliced:
             largest = max(i.nbytes for i in reader.tensors.values())
-    return CONVERT_BASE + 16 * BLOCK_BYTES + 3 * largest
+        if isinstance(reader, Fp8BlockReader):
+            fp8 = max((i.nbytes for n, i in reader.tensors.items() if reader.quantized(n)),
+                      default=0)
+    return CONVERT_BASE + 16 * BLOCK_BYTES + max(3 * largest, 17 * fp8)
 
 
 # -- the stage ---------------------------------------------------------------------------------
@@ -439,6 +448,11 @@ def _disk(ctx: BuildContext) -> int:
             and (source / "config.json").is_file():
         src = open_hf_checkpoint(source).spec.torch_dtype
         ratio = _ITEMSIZE[ctx.cfg.model.dtype] / _ITEMSIZE.get(src, 2)
+    if (source / "config.json").is_file() and open_hf_checkpoint(source).fp8_block:
+        # 1-byte weights come out in the model dtype (an upper bound: bf16 parts count twice)
+        spec = open_hf_checkpoint(source).spec
+        ratio = _ITEMSIZE[spec.torch_dtype if ctx.cfg.model.dtype == "auto"
+                          else ctx.cfg.model.dtype]
     return int(total * ratio * 1.05) + (1 << 20)  # padded vocab, duplicated KV heads
 
 
