@@ -256,3 +256,17 @@ def test_dense_layers_must_split_evenly():
     odd = type(spec)(**{**spec.to_dict(), "dense_intermediate_size": 90})
     assert "dense intermediate size 90 is not divisible by tp=4" in \
         mapping_problems(odd, Mapping.create(tp=4))
+
+
+def test_inspect_describes_mla_routing_and_dense_layers(examples):
+    from moepipe.stages.inspect import format_inspection, inspect_checkpoint
+
+    data = inspect_checkpoint(examples["tiny-deepseek-v3"]).data
+    assert data["attention"].startswith("MLA: q_lora_rank 48, kv_lora_rank 32")
+    assert data["routing"].startswith("sigmoid + correction bias, best 2 of 4 groups (top2_sum)")
+    # only the 2 MoE layers have inactive experts: 6 of 8, each 3 x 32 x 64
+    p = data["parameters"]
+    assert p["total"] - p["active_per_token"] == 2 * 6 * 3 * 32 * 64
+    assert "attention       MLA" in format_inspection(data)
+    v2 = inspect_checkpoint(examples["tiny-deepseek-v2"]).data
+    assert v2["routing"] == "group-limited (DEVICE_LIMITED)"

@@ -302,8 +302,8 @@ DEEPSEEK_V3 = replace(
     hf_architecture="DeepseekV3ForCausalLM",
     trtllm_architecture="DeepseekV3ForCausalLM",
     description="DeepSeek-V3: multi-head latent attention, dense first layers, shared expert, "
-                "sigmoid noaux_tc routing with e_score_correction_bias (cpu target only: "
-                "TensorRT-LLM 1.2 builds no DeepSeek-V3 engine)",
+                "sigmoid noaux_tc routing with e_score_correction_bias (no TensorRT-LLM 1.2 "
+                "engine: cpu and trtllm-pytorch targets)",
     layer_rules={**MOE_RULES, **CORRECTION_BIAS},
     no_engine="TensorRT-LLM 1.2 has no DeepSeek-V3 engine model (only its preview `deepseek` "
               "branch) and its engine MoE cannot route noaux_tc (sigmoid scores, "

@@ -10,6 +10,7 @@ from typing import Any
 
 from moepipe.arch import get_family
 from moepipe.arch.hf import open_hf_checkpoint
+from moepipe.arch.mla import DeepseekSpec
 from moepipe.arch.targets import check_target
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.config import MoepipeConfig
@@ -34,8 +35,16 @@ def inspect_checkpoint(path: str | Path, max_world_size: int = 8) -> Inspection:
             total += numel
             by_dtype[str(info.dtype).removeprefix("torch.")] += info.nbytes
     per_expert = 3 * spec.expert_intermediate_size * spec.hidden_size
-    inactive = spec.num_layers * (spec.num_experts - spec.top_k) * per_expert
-    mode = family.normalization_mode(spec)
+    dense = spec.first_k_dense_replace if isinstance(spec, DeepseekSpec) else 0
+    moe_layers = spec.num_layers - dense
+    inactive = moe_layers * (spec.num_experts - spec.top_k) * per_expert
+    routing = family.normalization_mode(spec).description
+    rs = spec.routing_spec if isinstance(spec, DeepseekSpec) else None  # may have no mode
+    if rs is not None and rs.trtllm_normalization_mode() is None:
+        routing = (f"{rs.score}{' + correction bias' if rs.correction_bias else ''}, best "
+                   f"{rs.topk_group} of {rs.n_group} groups ({rs.group_score}), top-{rs.top_k}"
+                   f"{', renormalised' if rs.renormalize else ''}, x{rs.routed_scaling_factor:g}"
+                   " (moepipe_routing)")
     data = {
         "path": str(ckpt.path),
         "architecture": spec.architecture,
@@ -50,7 +59,7 @@ def inspect_checkpoint(path: str | Path, max_world_size: int = 8) -> Inspection:
         "top_k": spec.top_k,
         "expert_intermediate_size": spec.expert_intermediate_size,
         "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
-        "routing": mode.description,
+        "routing": routing,
         "dtype": spec.torch_dtype,
         "parameters": {"total": total, "active_per_token": total - inactive},
         "bytes_by_dtype": dict(sorted(by_dtype.items())),
@@ -61,6 +70,11 @@ def inspect_checkpoint(path: str | Path, max_world_size: int = 8) -> Inspection:
              "world_size": m.world_size}
             for m in legal_mappings(spec, max_world_size)],
     }
+    if isinstance(spec, DeepseekSpec):  # multi-head latent attention
+        data["attention"] = (f"MLA: q_lora_rank {spec.q_lora_rank or 'none'}, kv_lora_rank "
+                             f"{spec.kv_lora_rank}, qk {spec.qk_nope_head_dim} + rope "
+                             f"{spec.qk_rope_head_dim}, v {spec.v_head_dim}; {moe_layers} MoE "
+                             f"layers after {spec.num_layers - moe_layers} dense")
     return Inspection(ckpt.path, data)
 
 
@@ -85,6 +99,7 @@ def format_inspection(data: dict[str, Any]) -> str:
         f"{data['expert_intermediate_size']}"
         + (f", shared expert FFN {data['shared_expert_intermediate_size']}"
            if data["shared_expert_intermediate_size"] else ", no shared expert"),
+        *([f"  attention       {data['attention']}"] if "attention" in data else []),
         f"  routing         {data['routing']}",
         f"  parameters      {_human(p['total'])} total, {_human(p['active_per_token'])} active "
         "per token",
