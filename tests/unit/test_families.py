@@ -147,3 +147,18 @@ def test_gpt_oss_20b_shapes_and_config_on_meta_device():
                                      "original_max_position_embeddings": 4096}
     assert cfg["moepipe_routing"]["router_bias"] is True
     assert cfg["moe"]["normalization_mode"] == 1  # top-k of the biased logits, then softmax
+
+
+@pytest.mark.parametrize("config,arch,total", [
+    (OlmoeConfig(**OLMOE_1B_7B), "OlmoeForCausalLM", 6_919_161_856),  # model card: 6.9B
+    (GptOssConfig(**GPT_OSS_20B), "GptOssForCausalLM", 20_914_757_184),  # model card: 20.9B
+])
+def test_planner_counts_every_parameter(config, arch, total):
+    """`moepipe plan` reads both families: its arithmetic equals transformers' meta model
+    (q/k norms over the projection, sinks, router and expert biases included)."""
+    from moepipe.planner.shapes import model_shape
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = model_shape({**config.to_dict(), "architectures": [arch]}, arch)
+    assert shape.parameters() == sum(p.numel() for p in model.parameters()) == total

@@ -145,9 +145,11 @@ def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
     else:
         key = lambda e: (not e.fits, -e.tokens_per_s_per_gpu, e.tpot_s)  # noqa: E731
     notes = support_notes(model, target)
-    if target == "trtllm-engine" and model.architecture in NO_ENGINE:
+    refusal = NO_ENGINE.get(model.architecture) if target == "trtllm-engine" else None
+    refusal = refusal or _not_served(model.architecture, target)
+    if refusal:
         for e in ests:
-            e.problems.append(NO_ENGINE[model.architecture])
+            e.problems.append(refusal)
     fitting = sorted((e for e in ests if e.fits), key=key)
     others = sorted((e for e in ests if not e.fits), key=lambda e: e.weights)
     return Plan(model, cluster, workload, target, fitting + others, host_memory(model), notes)
@@ -158,6 +160,17 @@ NO_ENGINE = {
     "DeepseekV3ForCausalLM": "TensorRT-LLM 1.2 builds no DeepSeek-V3 engines (only its preview "
                              "`deepseek` branch does); serve it on trtllm-pytorch",
 }
+
+
+def _not_served(architecture: str, target: str) -> str | None:
+    """Why ``target`` cannot serve a registered family (``Family.no_engine`` / ``no_pytorch``)."""
+    from moepipe.arch import REGISTRY
+
+    family = REGISTRY.get(architecture)
+    if family is None:
+        return None
+    return {"trtllm-engine": family.no_engine,
+            "trtllm-pytorch": family.no_pytorch}.get(target)
 
 
 def support_notes(model: ModelShape, target: str) -> list[str]:

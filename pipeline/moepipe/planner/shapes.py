@@ -91,6 +91,11 @@ class ModelShape:
     routing_bias: bool = False
     max_position_embeddings: int = 4096
     published_quant: str | None = None  # e.g. "fp8_block" for DeepSeek's own checkpoint
+    qk_norm_projection: bool = False  # q/k norms over the whole projection (OLMoE)
+    attention_sinks: bool = False  # per-head sink logits (GPT-OSS)
+    dense_bias: bool = False  # attention output bias (GPT-OSS)
+    expert_bias: bool = False  # routed experts' fc / proj biases (GPT-OSS)
+    router_bias: bool = False  # the router's own bias (GPT-OSS)
 
     @property
     def mla(self) -> bool:
@@ -122,6 +127,11 @@ class ModelShape:
             return
         e, i = self.num_experts, self.expert_intermediate_size
         yield Tensor("mlp.router.weight", (e, h), float32=True, router=True)
+        if self.router_bias:
+            yield Tensor("mlp.router.bias", (e,), float32=True, router=True)
+        if self.expert_bias:
+            yield Tensor("mlp.fc.bias", (2 * i,), "expert_rows", experts=e)
+            yield Tensor("mlp.proj.bias", (h,), "experts", experts=e)
         if self.routing_bias:
             yield Tensor("mlp.e_score_correction_bias", (e,), float32=True)
         yield Tensor("mlp.fc.weight", (2 * i, h), "expert_rows", linear=True, experts=e)
@@ -164,7 +174,15 @@ class ModelShape:
             yield Tensor("attention.qkv.bias", ((n + 2 * kv) * d,), "qkv_rows", kv_heads=kv,
                          head_dim=d)
         yield Tensor("attention.dense.weight", (h, n * d), "heads_cols", linear=True)
-        if self.qk_norm:
+        if self.dense_bias:
+            yield Tensor("attention.dense.bias", (h,))
+        if self.attention_sinks:
+            yield Tensor("attention.sinks", (n,), "heads_rows", float32=True, router=True)
+        if self.qk_norm and self.qk_norm_projection:
+            yield Tensor("attention.q_layernorm.weight", (n * d,), "heads_rows")
+            yield Tensor("attention.k_layernorm.weight", (kv * d,), "kv_rows", kv_heads=kv,
+                         head_dim=d)
+        elif self.qk_norm:
             yield Tensor("attention.q_layernorm.weight", (d,))
             yield Tensor("attention.k_layernorm.weight", (d,))
 
@@ -260,6 +278,21 @@ def _qwen3(cfg, where, name):
                 qk_norm=True, attention_bias=bool(cfg.get("attention_bias", False)))
 
 
+def _olmoe(cfg, where, name):
+    return _gqa(cfg, where, name, "OlmoeForCausalLM",
+                expert_intermediate_size=_get(cfg, where, "intermediate_size"),
+                qk_norm=True, qk_norm_projection=True,
+                attention_bias=bool(cfg.get("attention_bias", False)))
+
+
+def _gpt_oss(cfg, where, name):
+    bias = bool(cfg.get("attention_bias", True))
+    return _gqa(cfg, where, name, "GptOssForCausalLM",
+                expert_intermediate_size=_get(cfg, where, "intermediate_size"),
+                attention_bias=bias, dense_bias=bias, attention_sinks=True, expert_bias=True,
+                router_bias=True)
+
+
 def _deepseek(cfg, where, name):
     arch = cfg["architectures"][0]
     layers = _get(cfg, where, "num_hidden_layers")
@@ -303,6 +336,8 @@ READERS = {
     "Qwen3MoeForCausalLM": _qwen3,
     "DeepseekV2ForCausalLM": _deepseek,
     "DeepseekV3ForCausalLM": _deepseek,
+    "OlmoeForCausalLM": _olmoe,
+    "GptOssForCausalLM": _gpt_oss,
 }
 
 

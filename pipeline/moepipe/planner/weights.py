@@ -69,6 +69,8 @@ def rank_shape(t: Tensor, s: Sharding) -> tuple[int, tuple[int, ...]]:
         q = shape[0] - 2 * t.kv_heads * t.head_dim
         kv = math.ceil(t.kv_heads / s.attn_tp) * 2 * t.head_dim
         return 1, (q // s.attn_tp + kv, *shape[1:])
+    if t.split == "kv_rows":  # K (or V) rows alone: ceil(kv/tp) heads (OLMoE's k norm)
+        return 1, (math.ceil(t.kv_heads / s.attn_tp) * t.head_dim, *shape[1:])
     tp = 1 if s.attention_dp else s.tp  # dense MLPs and shared experts follow attention
     if t.split == "tp_rows":
         return 1, (shape[0] // tp, *shape[1:])
@@ -78,9 +80,11 @@ def rank_shape(t: Tensor, s: Sharding) -> tuple[int, tuple[int, ...]]:
         return 1, (math.ceil(shape[0] / tp), *shape[1:])
     experts = t.experts // s.moe_ep
     if t.split == "expert_rows":  # [up | gate] rows of each expert, both cut by moe_tp
-        return experts, (shape[0] // s.moe_tp, shape[1])
+        return experts, (shape[0] // s.moe_tp, *shape[1:])
     if t.split == "expert_cols":
         return experts, (shape[0], shape[1] // s.moe_tp)
+    if t.split == "experts":  # the stack split by moe_ep only (GPT-OSS's proj bias)
+        return experts, shape
     raise ValueError(f"unknown split {t.split}")
 
 
