@@ -2,7 +2,8 @@
 (re-derived here on full tensors the way upstream's converter does it), and the reference
 runtime's MLA formulations and routing agree.
 
-Upstream (NVIDIA/TensorRT-LLM, 1.2 line):
+Upstream (NVIDIA/TensorRT-LLM; read at commits 130232d9 and 65b31db1 of convert.py, which agree
+on every name below; the 1.2.1 tag itself could not be fetched here):
 - tensorrt_llm/models/deepseek_v2/convert.py ``load_weights_from_hf_model``: fused_a, q_b_proj,
   kv_b_proj ([k_nope rows; v rows] of the rank's heads), fused_q_proj (einsum 'hdq,hdk->hkq' then
   the rope rows), dense layers as GatedMLP (fc <- gate_proj, gate <- up_proj), experts
