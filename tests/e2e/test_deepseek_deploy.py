@@ -1,7 +1,7 @@
 """DeepSeek end to end on the cpu target: build (source, inspect, convert, quality), deploy
-behind a real tritonserver and validate (smoke + accuracy against transformers, expert counters
-scraped) - the tiny DeepSeek-V3 example (MLA, a dense first layer, sigmoid noaux_tc routing with
-its correction bias, a shared expert), tp=1, short jobs."""
+behind a real tritonserver and validate (smoke + accuracy against transformers, the balance job
+over the expert counters) - the tiny DeepSeek-V3 example (MLA, a dense first layer, sigmoid
+noaux_tc routing with its correction bias, a shared expert), tp=1, short jobs."""
 
 import json
 import urllib.request
@@ -18,13 +18,14 @@ def test_deepseek_v3_builds_deploys_and_validates(tmp_path):
     cfg = make_config(tmp_path / "ds", example="tiny-deepseek-v3",
                       parallel={"tp": 1, "moe_ep": 1},
                       build={"max_batch_size": 4, "max_input_len": 128, "max_seq_len": 160},
-                      validate={"max_tokens": 8})
+                      validate={"max_tokens": 8, "balance": {"requests": 8, "min_tokens": 20}})
     run_build(cfg.workdir / "moepipe.yaml", echo=lambda s: None)
     ckpt = json.loads((cfg.workdir / "checkpoint" / "config.json").read_text())
     assert ckpt["architecture"] == "DeepseekV3ForCausalLM" and ckpt["moepipe_routing"]
     run_deploy(cfg, echo=lambda s: None)
     try:
-        report, _ = run_validate(cfg, jobs=["smoke", "accuracy"], echo=lambda s: None)
+        report, _ = run_validate(cfg, jobs=["smoke", "accuracy", "balance"],
+                                 echo=lambda s: None)
         failed = [f"{j.job}.{c.name}: {c.message}" for j in report.jobs for c in j.cases
                   if c.status not in ("passed", "skipped")]
         assert report.passed, failed
@@ -37,5 +38,7 @@ def test_deepseek_v3_builds_deploys_and_validates(tmp_path):
                 by_layer[layer] = by_layer.get(layer, 0.0) + float(line.rsplit(" ", 1)[1])
         # the dense first layer routes nothing; the MoE layers route every token top-2
         assert by_layer["0"] == 0 and by_layer["1"] > 0 and by_layer["1"] == by_layer["2"]
+        bal = next(j for j in report.jobs if j.job == "balance")
+        assert bal.data["counted_layers"] == [1, 2]  # the balance job skips the dense layer
     finally:
         server.stop(state_dir(cfg), grace=40)

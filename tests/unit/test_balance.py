@@ -112,6 +112,20 @@ def test_counts_from_triton_metrics_text(tmp_path):
     j = tmp_path / "c.json"
     j.write_text('{"layers": {"0": [1, 2]}}')
     assert counts_from_file(j) == {0: [1.0, 2.0]}
+    # DeepSeek's dense first layer is exported at zero: it has no experts to place
+    dense = text + '\nmoepipe_expert_tokens_total{expert="0",layer="2",model="m"} 0' \
+        + '\nmoepipe_expert_tokens_total{expert="1",layer="2",model="m"} 0'
+    assert counts_from_metrics(dense, "m") == {0: [12.0, 3.0], 1: [0.0, 7.0]}
+
+
+def test_validate_counters_settle_with_dense_layers_at_zero(monkeypatch):
+    """The balance job waits for equal per-layer totals; dense layers (zero) do not count."""
+    from moepipe.validate import balance as job
+
+    counts = {(0, 0): 0.0, (0, 1): 0.0, (1, 0): 3.0, (1, 1): 5.0, (2, 0): 6.0, (2, 1): 2.0}
+    monkeypatch.setattr(job, "scrape", lambda url: dict(counts))
+    monkeypatch.setattr(job, "SETTLE_PERIOD_S", 0.0)
+    assert job.settled("http://x", timeout=1.0) == counts
 
 
 @pytest.mark.parametrize("counts,ep,slots,match", [

@@ -137,7 +137,12 @@ def counts_from_metrics(text: str, where: str) -> dict[int, list[float]]:
         raise ConfigError(f"{where}: no moepipe_expert_tokens_total samples",
                           "point --metrics at a running cpu deployment's metrics port "
                           "(http://127.0.0.1:8002/metrics) after it served some requests")
-    return {layer: _dense(row, f"{where} layer {layer}") for layer, row in cells.items()}
+    # a layer that routed nothing while the others routed tokens is a dense layer (DeepSeek's
+    # first_k_dense_replace): it has no experts to place
+    rows = {layer: _dense(row, f"{where} layer {layer}") for layer, row in cells.items()}
+    if any(sum(r) for r in rows.values()):
+        rows = {layer: r for layer, r in rows.items() if sum(r)}
+    return rows
 
 
 def _dense(row: dict[int, float], where: str) -> list[float]:

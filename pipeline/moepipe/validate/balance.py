@@ -42,14 +42,15 @@ def parse(text: str) -> dict[tuple[int, int], float]:
 
 def settled(metrics_url: str, timeout: float = 15.0) -> dict[tuple[int, int], float]:
     """Counters once two scrapes a publication period apart agree and every layer has the
-    same total (each token goes to top-k experts of every layer)."""
+    same total (each token goes to top-k experts of every MoE layer; dense layers, DeepSeek's
+    first ones, stay at zero)."""
     deadline, last = time.monotonic() + timeout, None
     while True:
         counts = scrape(metrics_url)
         totals: dict[int, float] = {}
         for (layer, _), v in counts.items():
             totals[layer] = totals.get(layer, 0.0) + v
-        if counts == last and len(set(totals.values())) <= 1:
+        if counts == last and len({t for t in totals.values() if t}) <= 1:
             return counts
         if time.monotonic() > deadline:
             raise TimeoutError(f"the expert counters at {metrics_url} did not settle within "
