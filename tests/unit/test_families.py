@@ -111,18 +111,85 @@ def test_gpt_oss_is_refused_by_the_engine_target_only(tmp_path):
         assert "target: trtllm-pytorch" in err.value.hint
 
 
-def test_gpt_oss_mxfp4_checkpoints_are_refused_in_one_line(tmp_path):
+def _mxfp4_pair(src, root):
+    """(an MXFP4 copy of the GPT-OSS checkpoint ``src`` with random packed experts, the same
+    model with those experts dequantized by transformers' ``convert_moe_packed_tensors``)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(3)
+    packed, plain = root / "mxfp4", root / "dequantized"
+    for d in (packed, plain):
+        shutil.copytree(src, d)
+    tensors = load_file(src / "model.safetensors")
+    mx, deq = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, inp, out = tensors[name].shape  # bf16 layout [E, in, out]
+        blocks = torch.randint(0, 256, (e, out, inp // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(122, 128, (e, out, inp // 32), generator=gen, dtype=torch.uint8)
+        del mx[name]
+        mx[name + "_blocks"], mx[name + "_scales"] = blocks, scales
+        deq[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(mx, packed / "model.safetensors", metadata={"format": "pt"})
+    save_file(deq, plain / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                             "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+    (packed / "config.json").write_text(json.dumps(cfg))
+    return packed, plain
+
+
+@pytest.mark.parametrize("mapping", [dict(tp=2, moe_tp=2), dict(tp=2, moe_ep=2)],
+                         ids=["mtp2", "mep2"])
+def test_gpt_oss_mxfp4_converts_exactly_as_transformers_dequantizes(mapping, examples,
+                                                                    tmp_path):
+    """OpenAI's MXFP4 experts are read dequantized: the converted ranks are byte-identical to
+    converting the weights transformers dequantizes (integrations/mxfp4.py); FP4 x 2^k is exact
+    in float32, so nothing is lost."""
+    from moepipe.stages.convert import convert
+
+    packed, plain = _mxfp4_pair(examples["tiny-gpt-oss"], tmp_path)
+    a = convert(packed, tmp_path / "a", **mapping)
+    b = convert(plain, tmp_path / "b", **mapping)
+    assert a.files == b.files  # sha256 of config.json and every rank file
+
+
+def test_gpt_oss_mxfp4_logits_match_transformers_own_mxfp4_loader(examples, tmp_path):
+    """The same packed folder loaded by transformers (Mxfp4Config(dequantize=True)) and
+    converted by moepipe (tp=2, moe_ep=2) gives the same logits."""
+    from transformers import Mxfp4Config
+
+    from moepipe.runtime.checkpoint import load_checkpoint
+    from moepipe.runtime.model import Batch, ReferenceModel
+    from moepipe.stages.convert import convert
+
+    packed, _ = _mxfp4_pair(examples["tiny-gpt-oss"], tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(
+        packed, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    convert(packed, tmp_path / "ckpt", tp=2, moe_ep=2)
+    ids = [54, 260, 402, 305, 77, 445, 510, 271, 494]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = ReferenceModel(load_checkpoint(tmp_path / "ckpt")).forward(Batch.single(ids),
+                                                                      all_logits=True)
+    assert (ours - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_mxfp4_of_other_families_is_refused(tmp_path):
     import json
 
     from moepipe.arch.hf import open_hf_checkpoint
 
-    cfg = {**GptOssConfig(**GPT_OSS_20B).to_dict(), "architectures": ["GptOssForCausalLM"],
-           "quantization_config": {"quant_method": "mxfp4",
-                                   "modules_to_not_convert": ["model.layers.*.self_attn"]}}
+    cfg = {**OlmoeConfig(**OLMOE_1B_7B).to_dict(), "architectures": ["OlmoeForCausalLM"],
+           "quantization_config": {"quant_method": "mxfp4"}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedError, match="MXFP4 checkpoints") as err:
+    with pytest.raises(UnsupportedError, match="MXFP4 OlmoeForCausalLM checkpoints"):
         open_hf_checkpoint(tmp_path)
-    assert "Mxfp4Config(dequantize=True)" in err.value.hint
 
 
 def test_gpt_oss_20b_shapes_and_config_on_meta_device():

@@ -23,8 +23,8 @@ What the layout carries beyond a Mixtral-style checkpoint (transformers
   ``[H, I]`` (``mlp.proj``);
 * YaRN rope (``rotary_scaling`` type yarn, ``truncate`` false as published).
 
-Only unquantized (bf16 / fp16 / fp32) checkpoints are converted; the published MXFP4 weights
-are refused (``arch.hf``) with a hint to dequantize them first.
+bf16 / fp16 / fp32 checkpoints are converted, and the published MXFP4 ones: their experts are read
+dequantized (``checkpoints.mxfp4``), exactly.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from moepipe.arch.family import Family
 from moepipe.arch.spec import ModelSpec
 from moepipe.checkpoints.fp8_block import Fp8BlockReader, block_size
 from moepipe.checkpoints.modelopt import QuantInfo
+from moepipe.checkpoints.mxfp4 import MXFP4_ARCHITECTURES, Mxfp4Reader
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.errors import CheckpointError, UnsupportedError
 from moepipe.utils.fs import read_json
@@ -24,10 +25,13 @@ class HFCheckpoint:
     spec: ModelSpec
     quant: QuantInfo | None = None  # a modelopt unified (quantized) checkpoint
     fp8_block: tuple[int, int] | None = None  # DeepSeek's block-scaled fp8 (read dequantized)
+    mxfp4: bool = False  # GPT-OSS's MXFP4 experts (read dequantized)
 
     def reader(self) -> CheckpointReader:
         if self.fp8_block is not None:
             return Fp8BlockReader(self.path, self.fp8_block)
+        if self.mxfp4:
+            return Mxfp4Reader(self.path)
         return CheckpointReader(self.path)
 
 
@@ -48,28 +52,29 @@ def open_hf_checkpoint(path: str | Path) -> HFCheckpoint:
     family = get_family(archs[0])
     quant = None
     fp8 = None
+    mxfp4 = False
     if "quantization_config" in config:
         method = config["quantization_config"].get("quant_method")
         fp8 = block_size(config["quantization_config"], str(path / "config.json"))
-        if method == "mxfp4":  # GPT-OSS as OpenAI publishes it
+        mxfp4 = method == "mxfp4"  # GPT-OSS as OpenAI publishes it: read dequantized
+        if mxfp4 and archs[0] not in MXFP4_ARCHITECTURES:
             raise UnsupportedError(
-                f"{path}: MXFP4 checkpoints (quant_method mxfp4) are not converted; moepipe "
-                "reads bf16 / fp16 / fp32 weights",
-                "dequantize it once with transformers (from_pretrained(..., quantization_config="
-                "Mxfp4Config(dequantize=True)) then save_pretrained) or use a bf16 copy")
-        if fp8 is None:
+                f"{path}: MXFP4 {archs[0]} checkpoints are not converted (moepipe reads MXFP4 "
+                f"for {', '.join(MXFP4_ARCHITECTURES)})",
+                "give moepipe the bf16 checkpoint")
+        if fp8 is None and not mxfp4:
             if method != "modelopt" or not (path / "hf_quant_config.json").is_file():
                 raise UnsupportedError(
                     f"{path}: is already quantized ({method}); moepipe converts unquantized "
-                    "checkpoints, DeepSeek's block-scaled fp8 ones and its own (modelopt) "
-                    "quantized ones",
+                    "checkpoints, DeepSeek's block-scaled fp8 ones, GPT-OSS's MXFP4 ones and "
+                    "its own (modelopt) quantized ones",
                     "give moepipe the unquantized checkpoint and choose a format in the "
                     "quantize section")
             quant = QuantInfo.parse(read_json(path / "hf_quant_config.json", "it"),
                                     str(path / "hf_quant_config.json"))
     spec = family.spec(config, str(path / "config.json"))
     return HFCheckpoint(path=path, config=config, family=family, spec=spec, quant=quant,
-                        fp8_block=fp8)
+                        fp8_block=fp8, mxfp4=mxfp4)
 
 
 # Files of a saved Hugging Face tokenizer (what AutoTokenizer reads, and what a deployment copies).

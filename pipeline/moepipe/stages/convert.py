@@ -29,6 +29,7 @@ from moepipe.arch.spec import ModelSpec
 from moepipe.checkpoints.fp8_block import SCALE_SUFFIX, Fp8BlockReader
 from moepipe.checkpoints.hashcache import remember
 from moepipe.checkpoints.modelopt import QuantInfo
+from moepipe.checkpoints.mxfp4 import BLOCKS, SCALES
 from moepipe.checkpoints.st_io import (
     BF16,
     F16,
@@ -52,6 +53,7 @@ from moepipe.utils.fs import atomic_dir
 
 log = logging.getLogger("moepipe")
 
+MXFP4_PARTS = (BLOCKS, SCALES)  # an MXFP4 weight's companions (read with it)
 DTYPES = {"float32": F32, "float16": F16, "bfloat16": BF16}
 MANIFEST = "moepipe-manifest.json"
 # Streaming block: small enough to stay in CPU cache between read, hash and write.
@@ -215,7 +217,8 @@ def unmapped_tensors(plan: Plan, names, family: Family) -> list[str]:
     return sorted(n for n in names
                   if n not in plan.sources and not any(p.match(n) for p in dropped)
                   and not (n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX)
-                           in plan.sources))
+                           in plan.sources)
+                  and not (n.endswith(MXFP4_PARTS) and n.rsplit("_", 1)[0] in plan.sources))
 
 
 @dataclass
@@ -453,6 +456,11 @@ def _disk(ctx: BuildContext) -> int:
         spec = open_hf_checkpoint(source).spec
         ratio = _ITEMSIZE[spec.torch_dtype if ctx.cfg.model.dtype == "auto"
                           else ctx.cfg.model.dtype]
+    if (source / "config.json").is_file() and open_hf_checkpoint(source).mxfp4:
+        # 4.25-bit MXFP4 experts come out in the model dtype (an upper bound, as above)
+        spec = open_hf_checkpoint(source).spec
+        ratio = 4 * _ITEMSIZE[spec.torch_dtype if ctx.cfg.model.dtype == "auto"
+                              else ctx.cfg.model.dtype]
     return int(total * ratio * 1.05) + (1 << 20)  # padded vocab, duplicated KV heads
 
 
