@@ -9,7 +9,9 @@ image                           ``deploy.k8s.image``; else GPU targets: the Trit
                                 (``docker/Dockerfile`` on that image: the cpu model imports
                                 moepipe)
 world size, nodes, GPUs/pod     ``parallel`` (tp x pp) over ``deploy.k8s.gpus_per_node``
-memory per pod                  ``deploy.k8s.memory_gib``, else :func:`memory_estimate_mib`
+memory per pod                  ``deploy.k8s.memory_gib``, else the planner's
+                                (``moepipe.planner.pods``, set by ``moepipe deploy``), else
+                                :func:`memory_estimate_mib` from the built files
 /dev/shm size                   64 MiB per Python-model instance, at least 1 GiB
 startup probe budget            ``deploy.ready_timeout_s`` (GPU targets: at least 15 min)
 ports, exit timeout             ``deploy.<http,grpc,metrics>_port``, ``deploy.exit_timeout_s``
@@ -83,7 +85,8 @@ def plan(cfg: MoepipeConfig, art) -> tuple[k8s.PodPlan, k8s.Shape]:
     world = Mapping.create(tp=p.tp, pp=p.pp, moe_tp=p.moe_tp, moe_ep=p.moe_ep).world_size
     shape = k8s.shape(cfg.target, world, kc.gpus_per_node)
     memory = (math.ceil(kc.memory_gib * 1024) if kc.memory_gib
-              else memory_estimate_mib(cfg, art, shape.nodes))
+              else getattr(art, "pod_memory_mib", None)
+              or memory_estimate_mib(cfg, art, shape.nodes))
     startup = int(d.ready_timeout_s) if cfg.target == "cpu" else max(int(d.ready_timeout_s), 900)
     return k8s.PodPlan(
         name=k8s.check_name(kc.name, "deploy.k8s.name"),
