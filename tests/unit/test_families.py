@@ -229,3 +229,15 @@ def test_planner_counts_every_parameter(config, arch, total):
         model = AutoModelForCausalLM.from_config(config)
     shape = model_shape({**config.to_dict(), "architectures": [arch]}, arch)
     assert shape.parameters() == sum(p.numel() for p in model.parameters()) == total
+
+
+@pytest.mark.parametrize("arch", ["OlmoeForCausalLM", "GptOssForCausalLM"])
+def test_quantizing_olmoe_or_gpt_oss_is_refused_in_one_line(arch):
+    """modelopt's export does not take OLMoE's unfused experts (it expects Mixtral's w1/w2/w3)
+    and GPT-OSS's experts are computed, not sliced: both refuse before any stage runs."""
+    from moepipe.arch.targets import check_quantizable
+
+    with pytest.raises(UnsupportedError, match=f"does not quantize {arch}"):
+        check_quantizable(get_family(arch), "fp8")
+    check_quantizable(get_family(arch), "none")
+    check_quantizable(get_family("MixtralForCausalLM"), "fp8")

@@ -141,4 +141,7 @@ OLMOE = OlmoeFamily(
     no_engine="TensorRT-LLM 1.2 has no OLMoE model (not in tensorrt_llm/models MODEL_MAP)",
     no_pytorch="TensorRT-LLM 1.2's PyTorch backend has no OLMoE model "
                "(not in tensorrt_llm/_torch/models)",
+    # modelopt 0.x exports OLMoE's experts under Mixtral's w1/w2/w3 names (hf_export_handlers
+    # get_expert_linear_names), which the quantize stage's unfused experts do not have
+    quantizable=False,
 )

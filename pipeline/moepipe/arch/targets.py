@@ -31,3 +31,11 @@ def check_target(family: Family, target: str, spec: ModelSpec | None = None) -> 
                                f"{family.no_pytorch}",
                                "use target: cpu (moepipe's reference runtime)"
                                + ("" if family.no_engine else " or target: trtllm-engine"))
+
+
+def check_quantizable(family: Family, fmt: str) -> None:
+    """Raise a one-line UnsupportedError when moepipe's quantize stage cannot take ``family``
+    (``Family.quantizable``); called by the quantize pre-flight (every target) and convert's."""
+    if fmt != "none" and not family.quantizable:
+        raise UnsupportedError(f"quantize.format {fmt}: moepipe does not quantize "
+                               f"{family.hf_architecture} yet", "use quantize.format: none")

@@ -42,7 +42,7 @@ from moepipe.checkpoints.st_io import (
     sha256_file,
 )
 from moepipe.config import MoepipeConfig
-from moepipe.errors import CheckpointError, ConfigError, UnsupportedError
+from moepipe.errors import CheckpointError, ConfigError
 from moepipe.quant.trtllm import quantized_rules
 from moepipe.stages.base import BuildContext, Stage, gib
 from moepipe.stages.integrity import STAGE_FILE
@@ -417,7 +417,7 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
 def _preflight(ctx: BuildContext) -> None:
     """Families the target cannot take are refused before anything runs."""
     from moepipe.arch import get_family
-    from moepipe.arch.targets import check_target
+    from moepipe.arch.targets import check_quantizable, check_target
     from moepipe.stages.source import source_spec
 
     spec = source_spec(ctx)
@@ -425,10 +425,7 @@ def _preflight(ctx: BuildContext) -> None:
         return
     family = get_family(spec.architecture)
     check_target(family, ctx.cfg.target, spec)
-    if not family.quantizable and ctx.cfg.quantize.format != "none":
-        raise UnsupportedError(f"quantize.format {ctx.cfg.quantize.format}: moepipe does not "
-                               f"quantize {spec.architecture} yet",
-                               "use quantize.format: none")
+    check_quantizable(family, ctx.cfg.quantize.format)
 
 
 def _memory(ctx: BuildContext) -> int:

@@ -271,6 +271,10 @@ def _preflight(ctx: BuildContext) -> None:
                           "give a local .txt or .jsonl file (nothing is downloaded)")
     spec = source_spec(ctx)
     if spec is not None:
+        from moepipe.arch import get_family
+        from moepipe.arch.targets import check_quantizable
+
+        check_quantizable(get_family(spec.architecture), ctx.cfg.quantize.format)
         check_dimensions(ctx.cfg.quantize.format, spec)
     source = ctx.source_dir
     if source is not None and (source / "config.json").is_file():
