@@ -18,6 +18,7 @@ on every name below; the 1.2.1 tag itself could not be fetched here):
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,3 +272,47 @@ def test_inspect_describes_mla_routing_and_dense_layers(examples):
     assert "attention       MLA" in format_inspection(data)
     v2 = inspect_checkpoint(examples["tiny-deepseek-v2"]).data
     assert v2["routing"] == "group-limited (DEVICE_LIMITED)"
+
+
+def test_full_width_deepseek_v3_plans_to_the_planners_bytes():
+    """DeepSeek-V3's published config (planner/configs/deepseek-v3.json) cut to 5 layers (its 3
+    dense + 2 MoE; full widths: 7168 hidden, 128 heads, 256 experts), built on the meta device:
+    the converter plans every rank without weights, and each holds exactly the bytes
+    `moepipe plan` predicts (bf16, TensorRT-LLM layout). At 61 layers, tp=8 moe_ep=8, both say
+    173,122,297,856 bytes for rank 0."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from moepipe.arch import get_family
+    from moepipe.planner.shapes import model_shape
+    from moepipe.planner.weights import Sharding, stage_weight_bytes
+    from moepipe.stages.convert import plan_conversion
+    from moepipe.trtllm.mapping import Mapping
+
+    path = Path(__file__).parents[2] / "pipeline/moepipe/planner/configs/deepseek-v3.json"
+    cfg = {**json.loads(path.read_text()), "num_hidden_layers": 5}
+    family = get_family(cfg["architectures"][0])
+    spec = family.spec(cfg, str(path))
+    assert spec.rope_scaling["factor"] == 40 and spec.mtp_layers == 1
+    skip = ("architectures", "auto_map", "model_type", "quantization_config")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in skip}))
+
+    class MetaReader:
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+        def has(self, name):
+            return name in self.shapes
+
+        def shape(self, name):
+            return self.shapes[name]
+
+    shape = model_shape(cfg, "DeepSeek-V3 (5 layers)")
+    for tp, pp, moe_tp, moe_ep in [(8, 1, 1, 8), (8, 1, 8, 1), (4, 2, 2, 2)]:
+        plan = plan_conversion(family, spec, Mapping.create(tp=tp, pp=pp, moe_tp=moe_tp,
+                                                            moe_ep=moe_ep), "bfloat16",
+                               MetaReader())
+        s = Sharding(tp, pp, moe_tp, moe_ep)
+        for rank in range(tp * pp):
+            assert plan.rank_bytes(rank) == stage_weight_bytes(shape, s, rank // tp, "none",
+                                                               "bfloat16")
