@@ -27,6 +27,7 @@ import resource
 import struct
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -287,20 +288,27 @@ def _prompt_cycle(prompts: list[Prompt], seed: int):
         yield from order
 
 
-async def _closed(plan: LoadPlan, client: _Client, deadline: float) -> list[Sample]:
+def _stopped(stop: threading.Event | None) -> bool:
+    return stop is not None and stop.is_set()
+
+
+async def _closed(plan: LoadPlan, client: _Client, deadline: float,
+                  stop: threading.Event | None = None) -> list[Sample]:
     samples: list[Sample] = []
     prompts = _prompt_cycle(plan.prompts, plan.seed)
     budget = itertools.count()
 
     async def user():
-        while client.now() < deadline and next(budget) < plan.max_requests:
+        while client.now() < deadline and not _stopped(stop) and \
+                next(budget) < plan.max_requests:
             samples.append(await client.send(next(prompts)))
 
     await asyncio.gather(*(user() for _ in range(plan.concurrency or 1)))
     return samples
 
 
-async def _open(plan: LoadPlan, client: _Client, deadline: float) -> list[Sample]:
+async def _open(plan: LoadPlan, client: _Client, deadline: float,
+                stop: threading.Event | None = None) -> list[Sample]:
     rng = random.Random(plan.seed)
     prompts = _prompt_cycle(plan.prompts, plan.seed + 1)
     samples: list[Sample] = []
@@ -316,7 +324,7 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float) -> list[Sample
         at = max(at, start)
         while rate > 0 and sent < plan.max_requests:
             at += rng.expovariate(rate)
-            if at >= end or at >= deadline:
+            if at >= end or at >= deadline or _stopped(stop):
                 break
             delay = at - client.now()
             if delay > 0:
@@ -336,7 +344,8 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float) -> list[Sample
     return samples
 
 
-def _run_one(plan: LoadPlan, t0: float) -> tuple[list[Sample], float, float]:
+def _run_one(plan: LoadPlan, t0: float,
+             stop: threading.Event | None = None) -> tuple[list[Sample], float, float]:
     """Run a plan in this process; returns samples, CPU seconds and wall seconds."""
     async def main():
         await asyncio.sleep(max(0.0, t0 - time.monotonic()))
@@ -344,8 +353,8 @@ def _run_one(plan: LoadPlan, t0: float) -> tuple[list[Sample], float, float]:
         client: _Client | _HttpClient = kind(plan.url, plan.model, plan.timeout_s, t0)
         try:
             if plan.concurrency is not None:
-                return await _closed(plan, client, plan.duration_s)
-            return await _open(plan, client, plan.duration_s)
+                return await _closed(plan, client, plan.duration_s, stop)
+            return await _open(plan, client, plan.duration_s, stop)
         finally:
             await client.close()
 
@@ -372,14 +381,16 @@ def _share(plan: LoadPlan, i: int, n: int) -> LoadPlan:
     return part
 
 
-def run_load(plan: LoadPlan) -> LoadResult:
-    """Run a plan to completion (it stops by itself: request budget, deadline, timeouts)."""
+def run_load(plan: LoadPlan, stop: threading.Event | None = None) -> LoadResult:
+    """Run a plan to completion (it stops by itself: request budget, deadline, timeouts).
+    ``stop``, when set, ends the sending early (in-flight requests drain); one process only:
+    worker processes run their whole plan."""
     if (plan.concurrency is None) == (plan.schedule is None):
         raise ValueError("a load plan needs exactly one of concurrency or schedule")
     n = max(1, min(plan.processes, plan.concurrency or plan.processes))
     start = time.monotonic()
     if n == 1:
-        samples, cpu, wall = _run_one(plan, start)
+        samples, cpu, wall = _run_one(plan, start, stop)
         return LoadResult(samples, time.monotonic() - start, [cpu], [wall], start)
     # Worker processes are fresh interpreters fed their part of the plan as JSON: nothing of
     # the caller's state (threads, gRPC channels, __main__) is forked or re-imported.

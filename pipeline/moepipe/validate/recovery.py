@@ -3,9 +3,11 @@
 For each configured kill (``server``: the tritonserver process; ``backend``: the Python backend
 process of the ``tensorrt_llm`` model), under an open-loop load: the time until the server is
 ready again, the time until the first request sent after the kill succeeds, and the requests
-lost (failed or timed out) on the way. Bringing the process back is the supervisor's work
-(``moepipe deploy`` with a restart policy); the job only kills and watches. Gate:
-``validate.recovery.max_seconds`` (kill -> first successful response).
+lost (failed or timed out) on the way. The load ends ``after_s`` after a request succeeds
+again (with ``validate.load.processes`` 1; else at ``max_seconds`` + ``after_s``). Bringing
+the process back is the supervisor's work (``moepipe deploy`` with a restart policy); the job
+only kills and watches. Gate: ``validate.recovery.max_seconds`` (kill -> first successful
+response).
 
 Only for a local deployment this machine can signal (the job refuses a remote endpoint).
 """
@@ -20,7 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moepipe.deploy import server
+from moepipe.deploy import client, server
 from moepipe.validate.load import run_load
 from moepipe.validate.loadjobs import plan, prompts_for
 from moepipe.validate.report import CheckFailed, JobResult, Skip, check
@@ -71,6 +73,16 @@ def _ready(ep: Endpoint) -> bool:
         return False
 
 
+def _served(ep: Endpoint) -> bool:
+    """One short generation through the ensemble succeeds."""
+    try:
+        client.generate(ep.http, "ensemble", {"text_input": "ok", "max_tokens": 2},
+                        timeout=10)
+        return True
+    except Exception:  # not yet
+        return False
+
+
 def recovery(ctx: JobContext) -> JobResult:
     """Kill the server, then its model's backend process, under load; watch service return."""
     ep, cfg = ctx.endpoint, ctx.cfg
@@ -107,9 +119,10 @@ def recovery(ctx: JobContext) -> JobResult:
                                   f"server pid {st.pid}")
             total = rc.warmup_s + rc.max_seconds + rc.after_s
             box: dict = {}
+            stop = threading.Event()
             load = threading.Thread(target=lambda: box.setdefault("res", run_load(
                 plan(cfg, ep, prompts_for(cfg), schedule=[(total, rc.rate)],
-                     max_requests=int(rc.rate * total) + 8, duration_s=total))))
+                     max_requests=int(rc.rate * total) + 8, duration_s=total), stop)))
             started = time.monotonic()
             load.start()
             time.sleep(rc.warmup_s)
@@ -128,6 +141,14 @@ def recovery(ctx: JobContext) -> JobResult:
                     ready_at = time.monotonic() - started
                     break
                 time.sleep(0.2)
+            probe_ok = None  # seconds after the kill; a request of its own, sent after it
+            while ready_at is not None and time.monotonic() - started < deadline:
+                if _served(ep):
+                    probe_ok = time.monotonic() - killed_mono
+                    time.sleep(rc.after_s)  # service is back: after_s more load, then stop
+                    stop.set()
+                    break
+                time.sleep(0.2)
             load.join()
             res = box["res"]
             kill_t = killed_mono - res.t0  # on the samples' clock
@@ -136,7 +157,9 @@ def recovery(ctx: JobContext) -> JobResult:
             lost = [s for s in res.samples
                     if s.status in ("failed", "timeout") and s.done is not None
                     and s.done >= kill_t]
-            served = None if first_ok is None else round(first_ok - kill_t, 3)
+            firsts = [t for t in (None if first_ok is None else first_ok - kill_t, probe_ok)
+                      if t is not None]
+            served = round(min(firsts), 3) if firsts else None
             row = {"kill": kill, "pid": victim, "killed_at": round(kill_t, 3),
                    "time_to_ready_s": None if ready_at is None else round(ready_at - killed_at,
                                                                           3),
