@@ -5,9 +5,11 @@ smoke and accuracy jobs (greedy tokens over HTTP equal transformers' token for t
 
 Families come from the registries: every registered family that a GPU target refuses
 (``Family.no_engine`` / ``no_pytorch``) is deployed here, except those an e2e module of their own
-deploys (DeepSeek: test_deepseek_deploy.py)."""
+deploys (DeepSeek: test_deepseek_deploy.py). The servers are started and stopped concurrently
+(a server start is mostly waiting: about half the time of one after the other)."""
 
-import pytest
+from concurrent.futures import ThreadPoolExecutor
+
 from helpers import make_config
 
 from moepipe.arch import REGISTRY
@@ -18,24 +20,41 @@ CPU_ONLY_SOMEWHERE = sorted(family_examples()[arch] for arch, f in REGISTRY.item
                             if (f.no_engine or f.no_pytorch) and arch not in OWN_MODULE)
 
 
-@pytest.mark.parametrize("example", CPU_ONLY_SOMEWHERE)
-def test_family_deploys_on_cpu_and_validates(example, tmp_path):
+def test_families_deploy_on_cpu_and_validate(tmp_path):
     from moepipe.commands.build import run_build
     from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.commands.validate import endpoint_for, run_validate
     from moepipe.deploy import server
 
-    cfg = make_config(tmp_path / "work", example=example, parallel={"tp": 1, "moe_ep": 1},
-                      build={"max_batch_size": 4, "max_input_len": 128, "max_seq_len": 256},
-                      validate={"max_tokens": 8})
-    run_build(tmp_path / "work" / "moepipe.yaml", echo=lambda s: None)
-    run_deploy(cfg, echo=lambda s: None)
-    try:
-        ep = endpoint_for(cfg, None, None)
-        report, _ = run_validate(cfg, ep.http, ep.grpc, jobs=["smoke", "accuracy"],
-                                 echo=lambda s: None)
-    finally:
-        server.stop(state_dir(cfg), grace=20)
-    assert report.passed, report.to_dict()
-    accuracy = next(j for j in report.jobs if j.job == "accuracy")
-    assert accuracy.cases and all(c.status == "passed" for c in accuracy.cases)
+    assert CPU_ONLY_SOMEWHERE  # OLMoE and GPT-OSS at least
+    cfgs = {ex: make_config(tmp_path / ex, example=ex, parallel={"tp": 1, "moe_ep": 1},
+                            build={"max_batch_size": 4, "max_input_len": 128,
+                                   "max_seq_len": 256},
+                            validate={"max_tokens": 8})
+            for ex in CPU_ONLY_SOMEWHERE}
+
+    for ex in cfgs:  # in this thread: transformers' lazy imports are not thread-safe
+        run_build(tmp_path / ex / "moepipe.yaml", echo=lambda s: None)
+
+    def deploy(ex):
+        run_deploy(cfgs[ex], echo=lambda s: None)
+
+    def stop(ex):
+        if server.read_state(state_dir(cfgs[ex])) is not None:
+            server.stop(state_dir(cfgs[ex]), grace=20)
+
+    reports = {}
+    with ThreadPoolExecutor(len(cfgs)) as pool:
+        try:
+            for future in [pool.submit(deploy, ex) for ex in cfgs]:
+                future.result()
+            for ex, cfg in cfgs.items():
+                ep = endpoint_for(cfg, None, None)
+                reports[ex], _ = run_validate(cfg, ep.http, ep.grpc, jobs=["smoke", "accuracy"],
+                                              echo=lambda s: None)
+        finally:
+            list(pool.map(stop, cfgs))
+    for ex, report in reports.items():
+        assert report.passed, (ex, report.to_dict())
+        accuracy = next(j for j in report.jobs if j.job == "accuracy")
+        assert accuracy.cases and all(c.status == "passed" for c in accuracy.cases), ex
