@@ -36,6 +36,7 @@ def common_values(cfg: MoepipeConfig, tokenizer_dir: Path, vocab_size: int) -> d
         "add_special_tokens": flag(d.add_special_tokens),
         "skip_special_tokens": flag(d.skip_special_tokens),
         "vocab_size": str(vocab_size),
+        "max_input_len": str(cfg.build.max_input_len),
         "preprocessing_instance_count": str(d.instance_count),
         "postprocessing_instance_count": str(d.instance_count),
         "bls_instance_count": str(d.instance_count),

@@ -36,6 +36,14 @@ class TritonPythonModel:
                                                        trust_remote_code=False)
         self.add_special_tokens = _bool(params.get("add_special_tokens", "false"))
         self.vocab_size = int(params.get("vocab_size") or len(self.tokenizer))
+        # A prompt longer than max_input_len tokens of the longest token (twice, for
+        # normalizers that drop characters) is refused before tokenizing: a 40 MB prompt would
+        # otherwise hold this model for minutes before the engine refuses it.
+        max_input_len = int(params.get("max_input_len") or 0)
+        longest = max((len(t) for t in self.tokenizer.convert_ids_to_tokens(
+            list(range(len(self.tokenizer)))) if t), default=1)
+        self.max_chars = 2 * max_input_len * longest + 1024 if max_input_len else 0
+        self.max_input_len = max_input_len
         self.end_id = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.end_id
@@ -62,6 +70,10 @@ class TritonPythonModel:
             text = _text(item)
             if not text:
                 raise ValueError("the prompt (text_input) is empty")
+            if self.max_chars and len(text) > self.max_chars:
+                raise ValueError(f"the prompt (text_input) has {len(text)} characters: more "
+                                 f"than max_input_len={self.max_input_len} tokens can hold "
+                                 f"(refused before tokenizing)")
             ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
             if not ids:
                 raise ValueError("the prompt (text_input) encodes to no tokens")
