@@ -241,3 +241,12 @@ def test_quantizing_olmoe_or_gpt_oss_is_refused_in_one_line(arch):
         check_quantizable(get_family(arch), "fp8")
     check_quantizable(get_family(arch), "none")
     check_quantizable(get_family("MixtralForCausalLM"), "fp8")
+
+
+def test_inspect_counts_mxfp4_parameters(examples, tmp_path):
+    """Two FP4 values per byte of the blocks; the scales are not parameters."""
+    from moepipe.stages.inspect import inspect_checkpoint
+
+    packed, plain = _mxfp4_pair(examples["tiny-gpt-oss"], tmp_path)
+    assert inspect_checkpoint(packed).data["parameters"] == \
+        inspect_checkpoint(plain).data["parameters"]

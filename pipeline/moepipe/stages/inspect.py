@@ -12,6 +12,7 @@ from moepipe.arch import get_family
 from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.arch.mla import DeepseekSpec
 from moepipe.arch.targets import check_target
+from moepipe.checkpoints.mxfp4 import BLOCKS, SCALES
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.config import MoepipeConfig
 from moepipe.stages.base import BuildContext, Stage
@@ -30,8 +31,10 @@ def inspect_checkpoint(path: str | Path, max_world_size: int = 8) -> Inspection:
     with CheckpointReader(ckpt.path) as reader:
         total = 0
         by_dtype: Counter[str] = Counter()
-        for info in reader.tensors.values():
+        for name, info in reader.tensors.items():
             numel = info.nbytes // info.dtype.itemsize
+            if ckpt.mxfp4 and name.endswith((BLOCKS, SCALES)):  # two FP4 per byte; scales
+                numel = 2 * numel if name.endswith(BLOCKS) else 0  # are not parameters
             total += numel
             by_dtype[str(info.dtype).removeprefix("torch.")] += info.nbytes
     per_expert = 3 * spec.expert_intermediate_size * spec.hidden_size
