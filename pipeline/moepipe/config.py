@@ -307,11 +307,12 @@ class DeploySection(Section):
     accumulate_tokens: bool = Field(True, description="BLS streaming decodes all tokens so far.")
     max_queue_delay_microseconds: int = Field(0, ge=0, description="How long Triton may hold "
                                               "a request to batch it with others.")
-    max_queue_size: int = Field(0, ge=0, description="Requests that may wait for the engine "
+    max_queue_size: int = Field(64, ge=0, description="Requests that may wait for the engine "
                                 "(Triton's default_queue_policy; TensorRT-LLM's executor and "
                                 "the cpu engine bound their queue of requests waiting for a "
                                 "slot by it too); more are refused at once as busy "
-                                "(UNAVAILABLE: \"Exceeds maximum queue size\"). 0 = unlimited.")
+                                "(UNAVAILABLE: \"Exceeds maximum queue size\"). 0 = "
+                                "unlimited (Triton's and TensorRT-LLM's default).")
     queue_timeout_microseconds: int = Field(0, ge=0, description="A request that waited this "
                                             "long for the engine is refused as busy "
                                             "(\"Request timeout expired\"; Triton's "
