@@ -8,7 +8,7 @@ Families come from the registries: every registered family that a GPU target ref
 deploys (DeepSeek: test_deepseek_deploy.py). The servers are started and stopped concurrently
 (a server start is mostly waiting: about half the time of one after the other)."""
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from helpers import make_config
 
@@ -45,8 +45,10 @@ def test_families_deploy_on_cpu_and_validate(tmp_path):
 
     reports = {}
     with ThreadPoolExecutor(len(cfgs)) as pool:
+        futures = [pool.submit(deploy, ex) for ex in cfgs]
         try:
-            for future in [pool.submit(deploy, ex) for ex in cfgs]:
+            wait(futures)  # every start has finished (or failed) before anything is stopped
+            for future in futures:
                 future.result()
             for ex, cfg in cfgs.items():
                 ep = endpoint_for(cfg, None, None)
