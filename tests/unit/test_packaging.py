@@ -22,3 +22,14 @@ def test_installed_package_has_templates_and_data():
                 "targets/trtllm-pytorch/model_repo/tensorrt_llm/1/model.yaml"]:
         assert (root / rel).is_file(), rel
     assert (Path(moepipe.__file__).parent / "examples" / "corpus.txt").is_file()
+
+
+def test_test_modules_have_unique_names():
+    """The test folders are not packages (pytest's default import mode): two test modules of
+    the same name in different tiers make the whole suite fail to collect."""
+    from collections import Counter
+
+    tests = Path(__file__).parents[1]
+    names = Counter(p.name for p in tests.rglob("*.py") if p.name != "conftest.py"
+                    and "golden" not in p.parts and "data" not in p.parts)
+    assert [n for n, c in names.items() if c > 1] == []
