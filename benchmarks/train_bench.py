@@ -9,7 +9,7 @@ For each trained example (``moepipe.examples.trained_examples()``), in a fresh c
   frequencies alone);
 * the router's expert load per layer on the held-out text (top-k choices counted per expert:
   std/mean and max/mean; a perfectly even router has 0 and 1);
-* the greedy continuation of the README's prompt.
+* the greedy continuation (32 tokens) of the README's prompt.
 
     python benchmarks/train_bench.py [--examples NAME ...] [--json F] [--cache DIR]
 
@@ -65,7 +65,7 @@ def evaluate(folder: Path) -> dict:
             counts = per_layer if counts is None else counts + per_layer
             unigram += torch.bincount(x[0], minlength=cfg.vocab_size)
         prompt = tok(PROMPT, return_tensors="pt").input_ids
-        gen = model.generate(prompt, max_new_tokens=16, do_sample=False)
+        gen = model.generate(prompt, max_new_tokens=32, do_sample=False)
     p = (unigram + 1) / (unigram + 1).sum()  # add-one unigram fitted on the held-out text
     uni = float(-(unigram * p.log()).sum() / unigram.sum())
     # The formula of `moepipe validate`'s balance job (there: counted from the server's

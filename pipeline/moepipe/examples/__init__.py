@@ -267,8 +267,11 @@ def train_example_into(ex: Example, recipe: Recipe, folder: Path,
     with deterministic_torch(recipe.threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(ex.seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
-        stats = train(model, ids, recipe, ex.seed, progress)
+        encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        paragraphs = [n for n, (begin, _) in enumerate(encoding.offsets)
+                      if (begin == 0 or text[begin - 1] == "\n") and text[begin] != "\n"]
+        stats = train(model, ids, recipe, ex.seed, progress, paragraphs)
     _save(model, tokenizer, folder)
     return {"corpus": f"{CORPUS}, chapters 1-{TRAIN_CHAPTERS}", "training_tokens": len(ids),
             "recipe": asdict(recipe), "seed": ex.seed, **stats}

@@ -26,15 +26,18 @@ from moepipe.errors import MoepipeError
 class Recipe:
     """How a trained example is trained (part of its cache key)."""
 
-    steps: int = 300
-    batch_size: int = 8
+    steps: int = 450
+    batch_size: int = 16
     seq_len: int = 128
-    lr: float = 3e-3
-    warmup: int = 20
+    lr: float = 5e-3
+    warmup: int = 30
     final_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     aux_loss_coef: float = 0.01
     threads: int = 2  # pinned: the result must not depend on the machine's core count
+    # Training windows begin at paragraph starts (and every seq_len // 2 tokens inside a long
+    # paragraph, so no text is left out); each epoch visits all of them in a seeded order.
+    window_stride: int = 64
 
 
 @contextlib.contextmanager
@@ -62,9 +65,37 @@ def learning_rate(recipe: Recipe, step: int) -> float:
     return recipe.lr * (low + (1 - low) * 0.5 * (1 + math.cos(math.pi * done)))
 
 
+def window_starts(paragraphs: list[int], length: int, recipe: Recipe) -> list[int]:
+    """Token offsets where training windows begin: every paragraph start (a prompt begins a
+    paragraph too) and every ``window_stride`` tokens inside a paragraph, clipped so that a
+    whole window of ``seq_len + 1`` tokens fits in ``length``."""
+    last = length - recipe.seq_len - 1
+    starts: set[int] = set()
+    for begin, end in zip(paragraphs, [*paragraphs[1:], length], strict=True):
+        starts.update(min(s, last) for s in range(begin, end, recipe.window_stride))
+    return sorted(starts)
+
+
+def _batches(starts: list[int], recipe: Recipe, gen) -> Iterator[Any]:
+    """Window starts, ``batch_size`` at a time: epochs over all starts, each in a seeded order."""
+    import torch
+
+    table = torch.tensor(starts, dtype=torch.long)
+    order = table[torch.randperm(len(table), generator=gen)]
+    used = 0
+    while True:
+        if used + recipe.batch_size > len(order):
+            order = torch.cat([order[used:], table[torch.randperm(len(table), generator=gen)]])
+            used = 0
+        yield order[used:used + recipe.batch_size, None]
+        used += recipe.batch_size
+
+
 def train(model, token_ids: list[int], recipe: Recipe, seed: int,
-          progress: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
-    """Train ``model`` (a transformers MoE causal LM, float32) in place on ``token_ids``.
+          progress: Callable[[str], None] = lambda text: None,
+          paragraphs: list[int] | None = None) -> dict[str, Any]:
+    """Train ``model`` (a transformers MoE causal LM, float32) in place on ``token_ids``
+    (``paragraphs``: token offsets where paragraphs begin; default: the first token only).
 
     Returns the first and last losses (language-model part and auxiliary part)."""
     import torch
@@ -74,6 +105,7 @@ def train(model, token_ids: list[int], recipe: Recipe, seed: int,
                            f"sequence of {recipe.seq_len}", "ship a longer corpus")
     ids = torch.tensor(token_ids, dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
+    batches = _batches(window_starts(paragraphs or [0], len(token_ids), recipe), recipe, gen)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
@@ -86,9 +118,7 @@ def train(model, token_ids: list[int], recipe: Recipe, seed: int,
         lr = learning_rate(recipe, step)
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(0, len(ids) - recipe.seq_len - 1, (recipe.batch_size, 1),
-                               generator=gen)
-        batch = ids[starts + offsets]
+        batch = ids[next(batches) + offsets]
         out = model(input_ids=batch[:, :-1], output_router_logits=True)
         lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
         if out.aux_loss is None:

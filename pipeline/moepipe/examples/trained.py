@@ -36,7 +36,7 @@ CORPUS = "pride-and-prejudice.txt"
 TRAIN_CHAPTERS = 30
 TRAINING_FILE = "moepipe-training.json"
 # Bump when the training code changes what it produces.
-TRAINING_VERSION = 1
+TRAINING_VERSION = 2  # 2: windows at paragraph starts, epochs
 _TOOLS = ("torch", "transformers", "tokenizers")
 
 
