@@ -20,6 +20,6 @@ moepipe parity --hf moepipe-work/model --checkpoint moepipe-work/checkpoint
 moepipe deploy
 trap 'moepipe stop' EXIT
 curl -s -X POST "http://127.0.0.1:$HTTP/v2/models/ensemble/generate" \
-  -d '{"text_input": "It is a truth universally acknowledged", "max_tokens": 16}'
+  -d '{"text_input": "It is a truth universally acknowledged", "max_tokens": 32}'
 echo
 moepipe validate
