@@ -4,7 +4,7 @@ the same config, in one run, for
 * the tiny example, quantized (tiny-mixtral, fp8 + fp8 KV cache, tp=2 / moe_ep=2): source,
   inspect, quantize (modelopt calibration), convert, quality;
 * a larger synthetic Mixtral-shaped checkpoint given by path (bf16, --gb GB, several shards,
-  tp=2 / moe_ep=2): source (sha256 of every file), inspect, convert.
+  tp=2 / moe_ep=2): source (BLAKE3 of every file), inspect, convert.
 
     python benchmarks/build_bench.py [--gb 1.0] [--workdir /tmp/moepipe-build-bench] [--json F]
 

@@ -44,12 +44,12 @@ def test_rebuild_with_nothing_changed_does_no_work(tmp_path):
     assert set(status.values()) == {"reused"}
     assert {p: p.stat().st_mtime_ns for p in ckpt.resolve().iterdir()} == mtimes
     for a, b in zip(first["stages"], second["stages"], strict=True):
-        assert a["fingerprint"] == b["fingerprint"] and a["sha256"] == b["sha256"]
-    # The manifest: config, fingerprints, outputs with sha256, tool versions, timings.
+        assert a["fingerprint"] == b["fingerprint"] and a["blake3"] == b["blake3"]
+    # The manifest: config, fingerprints, outputs with BLAKE3 digests, tool versions, timings.
     m = json.loads((load_config(path).workdir / MANIFEST).read_text())
     assert m["config"]["parallel"]["tp"] == 2 and m["finished"] is not None
     convert = next(s for s in m["stages"] if s["stage"] == "convert")
-    assert len(convert["sha256"]["rank0.safetensors"]) == 64 and "seconds" in convert
+    assert len(convert["blake3"]["rank0.safetensors"]) == 64 and "seconds" in convert
     assert {"torch", "transformers", "nvidia-modelopt", "tensorrt-llm"} <= set(m["tools"])
 
 
@@ -77,7 +77,7 @@ def test_force_reruns_one_stage_and_gives_the_same_bytes(tmp_path):
     _, first, _ = build(path)
     status, second, _ = build(path, force=("convert",))
     assert status == {"source": "reused", "inspect": "reused", "convert": "built"}
-    assert first["stages"][-1]["sha256"] == second["stages"][-1]["sha256"]
+    assert first["stages"][-1]["blake3"] == second["stages"][-1]["blake3"]
     with pytest.raises(MoepipeError, match="unknown stage"):
         build(path, force=("link",))
 

@@ -37,7 +37,7 @@ def _project(folder):
 def _result(folder):
     manifest = json.loads((folder / "work" / "build-manifest.json").read_text())
     assert manifest["finished"] is not None
-    return {s["stage"]: (s["fingerprint"], s["sha256"]) for s in manifest["stages"]}
+    return {s["stage"]: (s["fingerprint"], s["blake3"]) for s in manifest["stages"]}
 
 
 @pytest.fixture(scope="module")

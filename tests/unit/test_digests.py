@@ -1,13 +1,18 @@
-"""Converted files are hashed once, as their bytes are written: the build finds their sha256
+"""Converted files are hashed once, as their bytes are written: the build finds their BLAKE3
 in the hash cache, also after the output folder is renamed into place."""
 
-import hashlib
 import os
 
+import blake3
 import pytest
 
 from moepipe.checkpoints import hashcache
+from moepipe.checkpoints.digest import file_digest
 from moepipe.stages.convert import convert
+
+
+def _b3(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
 
 
 def test_converter_outputs_need_no_second_read(examples, tmp_path, monkeypatch):
@@ -19,19 +24,31 @@ def test_converter_outputs_need_no_second_read(examples, tmp_path, monkeypatch):
     def no_read(path, *a, **k):
         raise AssertionError(f"{path} was read again to hash it")
 
-    monkeypatch.setattr(hashcache, "sha256_file", no_read)
+    monkeypatch.setattr(hashcache, "_hash_file", no_read)
     for rank in range(2):
         path = moved / f"rank{rank}.safetensors"
-        assert hashcache.file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert hashcache.file_digest(path) == _b3(path.read_bytes())
 
 
 def test_a_changed_file_is_hashed_again(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"abc")
     hashcache.remember(path, "0" * 64)
-    assert hashcache.file_sha256(path) == "0" * 64
+    assert hashcache.file_digest(path) == "0" * 64
     path.write_bytes(b"abcd")  # size (and mtime) change: the record no longer applies
-    assert hashcache.file_sha256(path) == hashlib.sha256(b"abcd").hexdigest()
+    assert hashcache.file_digest(path) == _b3(b"abcd")
+
+
+def test_file_digests_are_blake3_or_named_sha256(tmp_path):
+    import hashlib
+
+    path = tmp_path / "f.bin"
+    data = os.urandom(3 << 20 | 5)  # several read blocks and a partial one
+    path.write_bytes(data)
+    assert file_digest(path) == _b3(data)
+    assert file_digest(path, "sha256") == hashlib.sha256(data).hexdigest()
+    with pytest.raises(ValueError, match="md5"):
+        file_digest(path, "md5")
 
 
 @pytest.mark.parametrize("name", ["config.json", "moepipe-manifest.json"])
@@ -39,4 +56,24 @@ def test_small_files_are_still_hashed_on_demand(examples, tmp_path, name):
     out = tmp_path / "ckpt"
     convert(examples["tiny-mixtral"], out)
     data = (out / name).read_bytes()
-    assert hashcache.file_sha256(out / name) == hashlib.sha256(data).hexdigest()
+    assert hashcache.file_digest(out / name) == _b3(data)
+
+
+def test_stage_records_of_older_versions_are_checked_with_sha256(tmp_path):
+    """A record written before BLAKE3 names sha256: reuse still verifies a moved file by it."""
+    import hashlib
+
+    from moepipe.stages.integrity import changed_output, recorded_digests, write_stage_record
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "w.bin").write_bytes(b"weights")
+    write_stage_record(out, "convert", "f" * 64, {})
+    assert recorded_digests(out) == {"w.bin": _b3(b"weights")}
+    old = {"files": {"w.bin": {"size": 7, "mtime_ns": 1,  # mtime moved: the digest decides
+                               "sha256": hashlib.sha256(b"weights").hexdigest()}}}
+    assert changed_output(out, old) is None
+    (out / "w.bin").write_bytes(b"weightz")
+    assert "its sha256 digest differs" in changed_output(out, old)
+    new = {"files": {"w.bin": {"size": 7, "mtime_ns": 1, "blake3": _b3(b"weights")}}}
+    assert "its blake3 digest differs" in changed_output(out, new)

@@ -134,6 +134,12 @@ def _digests(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
+def _b3(path):
+    import blake3
+
+    return blake3.blake3(path.read_bytes()).hexdigest()
+
+
 def test_conversion_is_deterministic_and_has_manifest(examples, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     convert(examples["tiny-mixtral"], a, tp=2, moe_ep=2, workers=2)
@@ -141,10 +147,11 @@ def test_conversion_is_deterministic_and_has_manifest(examples, tmp_path):
     assert _digests(a) == _digests(b)
     manifest = json.loads((a / "moepipe-manifest.json").read_text())
     assert manifest["mapping"] == {"tp": 2, "pp": 1, "moe_tp": 1, "moe_ep": 2, "world_size": 2}
-    src = _digests(examples["tiny-mixtral"])
-    assert manifest["source"]["sha256"]["model.safetensors"] == src["model.safetensors"]
-    for name, digest in manifest["output"]["sha256"].items():
-        assert _digests(a)[name] == digest
+    # the manifest names its digests' algorithm: BLAKE3 of the files' bytes
+    assert manifest["source"]["blake3"]["model.safetensors"] == _b3(
+        examples["tiny-mixtral"] / "model.safetensors")
+    for name, digest in manifest["output"]["blake3"].items():
+        assert _b3(a / name) == digest
     assert sorted(p.name for p in a.iterdir()) == [
         "config.json", "moepipe-manifest.json", "rank0.safetensors", "rank1.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -252,11 +252,13 @@ def test_flipped_byte_is_refused_by_deploy_and_rebuilt_by_build(tmp_path):
 
 
 def test_untouched_outputs_are_not_hashed_again(tmp_path, monkeypatch):
-    import moepipe.checkpoints.st_io as st_io
+    import moepipe.checkpoints.digest as digest
+    import moepipe.checkpoints.hashcache as hashcache
     from moepipe.commands.build import run_build
 
     path = write_config(tmp_path)
     run_build(path, echo=lambda s: None)
-    monkeypatch.setattr(st_io, "sha256_file", lambda p: pytest.fail(f"hashed {p}"))
+    monkeypatch.setattr(digest, "file_digest", lambda p, a=None: pytest.fail(f"hashed {p}"))
+    monkeypatch.setattr(hashcache, "_hash_file", lambda p: pytest.fail(f"hashed {p}"))
     manifest = run_build(path, echo=lambda s: None)
     assert {s["status"] for s in manifest["stages"]} == {"reused"}

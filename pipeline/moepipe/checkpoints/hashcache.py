@@ -1,9 +1,10 @@
-"""sha256 of files, remembered by their stat signature.
+"""File digests (BLAKE3, see :mod:`moepipe.checkpoints.digest`), remembered by stat signature.
 
 Hashing a 100 GB checkpoint takes minutes; its digests are needed by every conversion and by the
 build's fingerprints. A digest is reused while the file's (device, inode, size, mtime_ns) are
 unchanged - the signal build systems and git's index trust - and recomputed otherwise. The
 cache lives in ``$MOEPIPE_CACHE_DIR`` (default ``~/.cache/moepipe``); losing it costs time only.
+Entries name their algorithm; the sha256 cache of older versions (``sha256.json``) is not read.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import json
 import threading
 from pathlib import Path
 
-from moepipe.checkpoints.st_io import sha256_file
+from moepipe.checkpoints.digest import ALGORITHM
+from moepipe.checkpoints.digest import file_digest as _hash_file
 from moepipe.utils.fs import cache_root, write_text_atomic
 
 _lock = threading.Lock()
@@ -20,7 +22,7 @@ _SIG = "stat:"  # keys of entries found by stat signature alone (see remember)
 
 
 def cache_file() -> Path:
-    return cache_root() / "sha256.json"
+    return cache_root() / "digests.json"
 
 
 def _signature(path: Path) -> str:
@@ -36,30 +38,41 @@ def _load(path: Path) -> dict[str, dict[str, str]]:
         return {}
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of ``path`` (hex), from the cache when the file is unchanged (found under its
-    path, or by its stat signature when :func:`remember` recorded it under another path)."""
+def lookup(path: Path) -> str | None:
+    """The remembered digest of ``path`` if the file is unchanged since (found under its path,
+    or by its stat signature when :func:`remember` recorded it under another path); None
+    otherwise. Reads nothing but the cache and a ``stat``."""
     path = Path(path).resolve()
-    cache = cache_file()
-    key, sig = str(path), _signature(path)
-    data = _load(cache)
-    entry = data.get(key) or data.get(_SIG + sig)
-    if entry and entry.get("stat") == sig:
-        return entry["sha256"]
-    digest = sha256_file(path)
+    data = _load(cache_file())
+    sig = _signature(path)
+    entry = data.get(str(path)) or data.get(_SIG + sig)
+    if entry and entry.get("stat") == sig and isinstance(entry.get(ALGORITHM), str):
+        return entry[ALGORITHM]
+    return None
+
+
+def file_digest(path: Path) -> str:
+    """BLAKE3 of ``path`` (hex), from the cache when the file is unchanged; computed and
+    remembered otherwise."""
+    path = Path(path).resolve()
+    cached = lookup(path)
+    if cached is not None:
+        return cached
+    sig = _signature(path)
+    digest = _hash_file(path)
     if _signature(path) != sig:  # changed while hashing: do not remember
         return digest
-    _store({key: {"stat": sig, "sha256": digest}})
+    _store({str(path): {"stat": sig, ALGORITHM: digest}})
     return digest
 
 
 def remember(path: Path, digest: str) -> None:
-    """Record the sha256 of a file just written by a writer that hashed its bytes as they
+    """Record the digest of a file just written by a writer that hashed its bytes as they
     passed, so that nothing reads it again to hash it. Kept under its stat signature too: the
     build renames finished outputs into place, which keeps device, inode, size and mtime."""
     path = Path(path).resolve()
     sig = _signature(path)
-    entry = {"stat": sig, "sha256": digest}
+    entry = {"stat": sig, ALGORITHM: digest}
     _store({str(path): entry, _SIG + sig: entry})
 
 

@@ -5,12 +5,11 @@
   offsets that lie, overlapping tensors) before anything is converted, and reads only the bytes a
   slice needs with ``pread`` - no mmap, so resident memory stays bounded by what is in flight.
 * :class:`SafetensorsWriter` writes the header first (all names, shapes and dtypes are known from
-  the plan) and then streams tensor data chunk by chunk, hashing as it goes.
+  the plan) and then streams tensor data chunk by chunk, hashing (BLAKE3) as it goes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -242,6 +241,10 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.info(name).shape
 
+    def fd(self, path: Path) -> int:
+        """The open file descriptor of a shard (for copies the kernel makes: copy_range)."""
+        return self._fd(path)
+
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
         if fd is None:
@@ -317,10 +320,21 @@ class BufferPool:
         self._free.put(buf)
 
 
+def write_all(fd: int, data) -> None:
+    """Write ``data`` (bytes-like) at the file's position."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+
+
 class SafetensorsWriter:
     """Write a safetensors file whose layout is fixed up front, streaming the data.
 
-    The sha256 of the file is computed on a second thread while the next data is produced.
+    The BLAKE3 digest of the file is computed on a second thread (it releases the GIL) while
+    the next data is read and written. Bytes copied unchanged from another file go through
+    :meth:`copy_range`: the kernel copies them page cache to page cache (``copy_file_range``,
+    what ``cp`` does), which costs a quarter to a fifth of writing them from a buffer on the
+    machines measured (``benchmarks/convert_bench.py``); the buffer is only hashed.
     """
 
     def __init__(self, path: Path, entries: list[tuple[str, DType, tuple[int, ...]]],
@@ -336,19 +350,22 @@ class SafetensorsWriter:
             offset += n
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
+        from moepipe.checkpoints.digest import new_hasher  # readers (the runtime) need no blake3
+
         self.path = path
-        self._f = open(path, "wb")
-        self._hash = hashlib.sha256()
-        # sha256 runs on its own thread (it releases the GIL), overlapping the next reads
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._hash = new_hasher()
+        # the digest runs on its own thread (it releases the GIL), overlapping the next reads
         self._queue: queue.Queue = queue.Queue(maxsize=32)
         self._hasher = threading.Thread(target=self._hash_loop, daemon=True)
         self._hasher.start()
+        self._copy_ok = True  # copy_file_range works between these files (until it fails once)
         self._emit(struct.pack("<Q", len(blob)) + blob)
         self._entry = 0
         self._left = self._sizes[0][2] if self._sizes else 0
 
     def _emit(self, data, release=None) -> None:
-        self._f.write(data)
+        write_all(self._fd, data)
         self._queue.put((data, release))
 
     def _hash_loop(self) -> None:
@@ -386,20 +403,42 @@ class SafetensorsWriter:
         self._emit(data, release)
         self._left -= data.nbytes
 
+    def copy_range(self, src_fd: int, offset: int, data: memoryview, release=None) -> None:
+        """Append bytes that ``src_fd`` holds at ``offset`` and ``data`` holds too (already
+        read, for the digest): the kernel copies them from the source file. Filesystems or
+        kernels that cannot (``EXDEV``, ``EINVAL``, ``ENOSYS``...) get ``data`` written."""
+        name, _ = self._current()
+        if data.nbytes > self._left:
+            raise RuntimeError(f"{self.path.name}: too much data for '{name}'")
+        done = 0
+        while self._copy_ok and done < data.nbytes:
+            try:
+                n = os.copy_file_range(src_fd, self._fd, data.nbytes - done, offset + done)
+            except OSError:
+                n = 0
+            if n <= 0:  # not supported here (or the source shrank): write the buffer
+                self._copy_ok = False
+            else:
+                done += n
+        if done < data.nbytes:
+            write_all(self._fd, data[done:])
+        self._queue.put((data, release))
+        self._left -= data.nbytes
+
     def close(self) -> str:
-        """Finish the file; returns its sha256."""
+        """Finish the file; returns its BLAKE3 digest (hex)."""
         if self._left or self._entry < len(self._sizes) - 1:
             raise RuntimeError(f"{self.path.name}: tensor '{self._sizes[self._entry][0]}' "
                                "is incomplete")
         self._queue.put(None)
         self._hasher.join()
-        self._f.close()
+        os.close(self._fd)
         return self._hash.hexdigest()
 
     def abort(self) -> None:
         self._queue.put(None)
         self._hasher.join()
-        self._f.close()
+        os.close(self._fd)
 
 
 def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -453,13 +492,3 @@ def convert_bytes(data: memoryview, src: DType, dst: DType) -> memoryview:
     else:
         raise ValueError(f"cannot convert {src.name} to {dst.name}")
     return np.ascontiguousarray(out).data.cast("B")
-
-
-def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(bufsize)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()

@@ -7,8 +7,8 @@ renamed into place only when complete. So a rerun with nothing changed finds eve
 does no work; a changed section reruns the stages it reaches; a build killed at any point leaves
 no output that looks complete and the next build resumes from the last finished stage.
 ``<workdir>/build-manifest.json`` records the config, every stage's fingerprint, outputs with
-sha256, tool versions and timings; ``<workdir>/{model,checkpoint,...}`` are links to the current
-outputs.
+their BLAKE3 digests (key ``"blake3"``), tool versions and timings;
+``<workdir>/{model,checkpoint,...}`` are links to the current outputs.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from moepipe import __version__
+from moepipe.checkpoints.digest import ALGORITHM
 from moepipe.config import MoepipeConfig, load_config
 from moepipe.errors import MoepipeError
 from moepipe.stages.base import BuildContext, Echo, Stage, fault_point
@@ -265,7 +266,7 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
         if entry.stage.check is not None:
             entry.stage.check(cfg, ctx.details[name])
     for rec in records:  # digests last: a build that only reuses stages hashes nothing new
-        rec["sha256"] = recorded_digests(Path(str(rec["output"])))
+        rec[ALGORITHM] = recorded_digests(Path(str(rec["output"])))
     return _write_manifest(cfg, records, started, finished=True)
 
 

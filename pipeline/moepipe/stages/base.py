@@ -100,7 +100,7 @@ class Stage:
     hf_checkpoint: bool = False
     # A folder of the user's used in place instead of an output (None: build one).
     in_place: Callable[[MoepipeConfig], Path | None] | None = None
-    # Extra fingerprint inputs read from outside the config (e.g. the user's files' sha256).
+    # Extra fingerprint inputs read from outside the config (e.g. the BLAKE3 of the user's files).
     external: Callable[[MoepipeConfig], dict[str, Any]] | None = None
 
 

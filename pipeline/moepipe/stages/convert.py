@@ -26,6 +26,7 @@ from moepipe.arch.geometry import Zeros
 from moepipe.arch.hf import HFCheckpoint, open_hf_checkpoint
 from moepipe.arch.rules import RankContext, Rule, SliceRef
 from moepipe.arch.spec import ModelSpec
+from moepipe.checkpoints.digest import ALGORITHM, file_digest
 from moepipe.checkpoints.fp8_block import SCALE_SUFFIX, Fp8BlockReader
 from moepipe.checkpoints.hashcache import remember
 from moepipe.checkpoints.modelopt import QuantInfo
@@ -39,7 +40,6 @@ from moepipe.checkpoints.st_io import (
     DType,
     SafetensorsWriter,
     convert_bytes,
-    sha256_file,
 )
 from moepipe.config import MoepipeConfig
 from moepipe.errors import CheckpointError, ConfigError
@@ -280,7 +280,7 @@ def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: s
         with ThreadPoolExecutor(max_workers=min(workers, mapping.world_size)) as pool:
             digests = list(pool.map(lambda r: _write_rank(plan, r, alias, folder, progress),
                                     range(mapping.world_size)))
-        files["config.json"] = sha256_file(folder / "config.json")
+        files["config.json"] = file_digest(folder / "config.json")
         for rank, digest in enumerate(digests):
             files[f"rank{rank}.safetensors"] = digest
             remember(folder / f"rank{rank}.safetensors", digest)  # the build needs no re-read
@@ -291,8 +291,9 @@ def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: s
             "dtype": dtype,
             "mapping": {"tp": mapping.tp, "pp": mapping.pp, "moe_tp": mapping.moe_tp,
                         "moe_ep": mapping.moe_ep, "world_size": mapping.world_size},
-            "source": {"name": ckpt.path.resolve().name, "sha256": source_hashes},
-            "output": {"sha256": files},
+            # digests under the name of their algorithm (older manifests: "sha256")
+            "source": {"name": ckpt.path.resolve().name, ALGORITHM: source_hashes},
+            "output": {ALGORITHM: files},
             "versions": {"moepipe": __version__, "trtllm_format": TRTLLM_ENGINE_VERSION},
         }
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -301,14 +302,16 @@ def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: s
 
 
 def _hash_sources(folder: Path, out: dict[str, str]) -> None:
-    from moepipe.checkpoints.hashcache import file_sha256
+    """Digest every source file (on a thread, while the conversion runs; remembered by stat
+    signature, so a build that fingerprinted the source already reads nothing here)."""
+    from moepipe.checkpoints.hashcache import file_digest
 
     for path in sorted(folder.iterdir()):
         # The build's record of the stage that wrote the folder (file mtimes, timings) is
         # bookkeeping, not model data: the same model must give the same manifest.
         if path.is_file() and path.suffix in (".safetensors", ".json") \
                 and path.name != STAGE_FILE:
-            out[path.name] = file_sha256(path)
+            out[path.name] = file_digest(path)
 
 
 def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path,
@@ -363,8 +366,9 @@ def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointRead
         buf = pool.get()
         view = memoryview(buf)[:n]
         reader.read_bytes(region.info.file, region.offset + start, view)
-        if src == dtype:
-            writer.write_bytes(view, release=lambda b=buf: pool.put(b))
+        if src == dtype:  # unchanged bytes: the kernel copies them, the buffer is hashed
+            writer.copy_range(reader.fd(region.info.file), region.offset + start, view,
+                              release=lambda b=buf: pool.put(b))
         else:
             writer.write_bytes(convert_bytes(view, src, dtype))
             pool.put(buf)

@@ -41,16 +41,16 @@ def _in_place(cfg: MoepipeConfig) -> Path | None:
 
 
 def _files(cfg: MoepipeConfig) -> dict[str, Any]:
-    """sha256 of every file of a user's checkpoint folder (remembered by stat signature)."""
+    """BLAKE3 of every file of a user's checkpoint folder (remembered by stat signature)."""
     if cfg.model.path is None:
         return {}
-    from moepipe.checkpoints.hashcache import file_sha256
+    from moepipe.checkpoints.hashcache import file_digest
 
     path = cfg.model.path
     if not path.is_dir():
         raise MoepipeError(f"{path}: no such directory",
                            "model.path must be a Hugging Face checkpoint folder")
-    return {"files": {p.name: file_sha256(p) for p in sorted(path.iterdir()) if p.is_file()}}
+    return {"blake3": {p.name: file_digest(p) for p in sorted(path.iterdir()) if p.is_file()}}
 
 
 def source_spec(ctx: BuildContext):
