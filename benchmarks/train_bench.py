@@ -42,29 +42,34 @@ def evaluate(folder: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moepipe.examples.routing import RouterTap
+
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     cfg = model.config
-    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
-    top_k = cfg.num_experts_per_tok
     windows = heldout_windows(tok)
     nll = 0.0
     tokens = 0
     counts = None
     unigram = torch.zeros(cfg.vocab_size)
-    with torch.no_grad():
+    # the experts each router really chose (DeepSeek: after group limit and correction bias)
+    with torch.no_grad(), RouterTap(model) as tap:
+        layer_of = {id(m): int(n.split("layers.")[1].split(".")[0])
+                    for n, m in model.named_modules() if m in tap.routers}
         for ids in windows:
             x = torch.tensor([ids])
-            out = model(input_ids=x, output_router_logits=True)
+            tap.clear()
+            out = model(input_ids=x)
             nll += float(torch.nn.functional.cross_entropy(out.logits[0, :-1], x[0, 1:],
                                                            reduction="sum"))
             tokens += len(ids) - 1
-            per_layer = torch.stack([torch.bincount(r.topk(top_k, -1).indices.flatten(),
-                                                    minlength=experts)
-                                     for r in out.router_logits]).float()
+            per_layer = torch.stack([torch.bincount(indices.flatten(), minlength=logits.shape[-1])
+                                     for _, logits, indices in tap.calls]).float()
             counts = per_layer if counts is None else counts + per_layer
             unigram += torch.bincount(x[0], minlength=cfg.vocab_size)
-        prompt = tok(PROMPT, return_tensors="pt").input_ids
+        layers = [layer_of[id(module)] for module, _, _ in tap.calls]
+    prompt = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
         gen = model.generate(prompt, max_new_tokens=32, do_sample=False)
     p = (unigram + 1) / (unigram + 1).sum()  # add-one unigram fitted on the held-out text
     uni = float(-(unigram * p.log()).sum() / unigram.sum())
@@ -73,7 +78,7 @@ def evaluate(folder: Path) -> dict:
     from moepipe.validate.balance import imbalance
 
     load = []
-    for n, c in enumerate(counts.numpy()):
+    for n, c in zip(layers, counts.numpy(), strict=True):
         stats = imbalance(c)
         load.append({"layer": n, "std_over_mean": round(stats["std_over_mean"], 3),
                      "max_over_mean": round(stats["max_over_mean"], 3)})

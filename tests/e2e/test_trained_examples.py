@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moepipe.examples import trained_examples
+
 CONFIGS = Path(__file__).parents[2] / "configs"
 
 PROMPT = "It is a truth universally acknowledged"
@@ -46,6 +48,21 @@ def test_trained_mixtral_talks_and_its_conversion_matches_transformers(trained_m
     assert len(words) >= 5 and sum(w in vocabulary for w in words) >= 0.8 * len(words), answer
     record = json.loads((trained_mixtral / "moepipe-training.json").read_text())
     assert record["loss_last"] < record["loss_first"] - 2.0  # it learnt, not just ran
+
+
+@pytest.mark.parametrize("name", trained_examples())
+def test_every_trained_example_converts_to_transformers_logits(name, tmp_path):
+    """Each trained example's exact config (sizes, MLA widths, sliding window, ...) converts and
+    matches transformers at tp2/moe_ep2 - with seeded random weights: the suite trains only the
+    Mixtral above (the trained weights of every example: benchmarks/train_bench.py's parity)."""
+    from moepipe.examples import write_example
+    from moepipe.stages.convert import convert
+    from moepipe.validate.parity import check_parity
+
+    folder = write_example(name, tmp_path / name, untrained=True)
+    convert(folder, tmp_path / "ckpt", tp=2, moe_ep=2)
+    report = check_parity(folder, tmp_path / "ckpt", prompts=[PROMPT], max_new_tokens=8)
+    assert report.passed, report.to_dict()
 
 
 def test_training_is_deterministic(tmp_path):

@@ -118,6 +118,11 @@ _TRAINED = dict(_COMMON, hidden_size=128, num_hidden_layers=2, vocab_size=1024,
 _QWEN_TRAINED = dict(_TRAINED, intermediate_size=128, moe_intermediate_size=128, num_experts=8,
                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                      use_sliding_window=False)
+_UNROPED = {k: v for k, v in _TRAINED.items() if k != "rope_theta"}  # rope_parameters instead
+_DEEPSEEK_TRAINED = dict(_UNROPED, num_key_value_heads=4, intermediate_size=256,
+                         moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                         first_k_dense_replace=1, n_group=4, topk_group=2, kv_lora_rank=64,
+                         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
 EXAMPLES.update({
     "tiny-mixtral-trained": Example(
         "MixtralConfig", "Mixtral-style, trained on Pride and Prejudice: 8 experts top-2, GQA",
@@ -133,6 +138,38 @@ EXAMPLES.update({
         "norm_topk_prob, q/k RMSNorm",
         dict(_QWEN_TRAINED, norm_topk_prob=True, head_dim=32, attention_bias=False),
         tokenizer_vocab=1024, seed=13, recipe=Recipe()),
+    "tiny-olmoe-trained": Example(
+        "OlmoeConfig", "OLMoE-style, trained on Pride and Prejudice: 8 experts top-2 without "
+        "renormalisation, q/k RMSNorm",
+        dict(_TRAINED, intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+             norm_topk_prob=False), tokenizer_vocab=1024, seed=14, recipe=Recipe()),
+    "tiny-gpt-oss-trained": Example(
+        "GptOssConfig", "GPT-OSS-style, trained on Pride and Prejudice: 8 experts top-2 with a "
+        "biased router, attention sinks, sliding window (32 tokens) on alternate layers, YaRN, "
+        "clamped SwiGLU (limit 3)",
+        dict(_UNROPED, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
+             head_dim=32, sliding_window=32, swiglu_limit=3.0, attention_bias=True,
+             rope_parameters=EXAMPLES["tiny-gpt-oss"].config["rope_parameters"]),
+        tokenizer_vocab=1024, seed=15, recipe=Recipe()),
+    # DeepSeek: 1 dense layer + 1 MoE layer, MLA at a quarter of the widths of the real ones.
+    # transformers has no balance loss for them: V2 trains with its paper's expert-level loss
+    # (the Switch formula over the experts chosen), V3 with its paper's auxiliary-loss-free
+    # correction-bias rule (rate 0.001, the paper's) and no auxiliary loss.
+    "tiny-deepseek-v2-trained": Example(
+        "DeepseekV2Config", "DeepSeek-V2-style, trained on Pride and Prejudice: MLA, YaRN, 1 "
+        "dense layer, 8 experts top-2 in 4 groups (group-limited greedy), 2 shared experts",
+        dict(_DEEPSEEK_TRAINED, n_shared_experts=2, topk_method="group_limited_greedy",
+             routed_scaling_factor=2.0, q_lora_rank=None,
+             rope_parameters=dict(_YARN, mscale=0.707, mscale_all_dim=0.707)),
+        tokenizer_vocab=1024, seed=16, recipe=Recipe()),
+    "tiny-deepseek-v3-trained": Example(
+        "DeepseekV3Config", "DeepSeek-V3-style, trained on Pride and Prejudice: MLA with query "
+        "compression, YaRN, 1 dense layer, 8 experts top-2, sigmoid noaux_tc routing balanced "
+        "by the correction-bias rule, 1 shared expert",
+        dict(_DEEPSEEK_TRAINED, n_shared_experts=1, norm_topk_prob=True,
+             routed_scaling_factor=2.5, q_lora_rank=96,
+             rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0)),
+        tokenizer_vocab=1024, seed=17, recipe=Recipe(aux_loss_coef=0.0, bias_update_rate=1e-3)),
 })
 
 
@@ -211,14 +248,16 @@ def _init_weights(model, seed: int) -> None:
 
 
 def write_example(name: str, out: str | Path, overwrite: bool = False,
-                  progress: Callable[[str], None] = lambda text: None) -> Path:
+                  progress: Callable[[str], None] = lambda text: None,
+                  untrained: bool = False) -> Path:
     """Write example ``name`` as a Hugging Face checkpoint folder at ``out``.
 
     A trained example is trained the first time on this machine (``progress`` reports its
-    steps) and copied from the machine's cache afterwards."""
+    steps) and copied from the machine's cache afterwards; ``untrained=True`` writes it with
+    seeded random weights instead (its exact shapes in a second: for tests)."""
     ex = _example(name)
     out = Path(out)
-    recipe = ex.recipe
+    recipe = None if untrained else ex.recipe
     if recipe is not None:
         from moepipe.examples.trained import cached_example
 

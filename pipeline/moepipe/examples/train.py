@@ -1,8 +1,10 @@
 """Training of the built-in *trained* examples: a tiny MoE learns the shipped corpus on CPU.
 
 Plain next-token cross-entropy plus the family's usual load-balancing auxiliary loss
-(``router_aux_loss_coef`` x Switch-style ``E * sum_i f_i * P_i``, computed by ``transformers``
-from the router logits), AdamW with warm-up and cosine decay, a fixed number of steps.
+(``aux_loss_coef`` x Switch-style ``E * sum_i f_i * P_i``, computed by ``transformers`` from the
+router logits, or by :mod:`moepipe.examples.routing` from the experts chosen where transformers
+has none: DeepSeek; DeepSeek-V3 balances with its correction-bias rule instead), AdamW with
+warm-up and cosine decay, a fixed number of steps.
 
 Deterministic: the weights are initialised and the batches drawn from fixed seeds, torch runs
 with a pinned thread count and ``torch.use_deterministic_algorithms(True)``, so the same
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moepipe.errors import MoepipeError
+from moepipe.examples.routing import RouterTap
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class Recipe:
     final_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     aux_loss_coef: float = 0.01
+    # DeepSeek-V3's auxiliary-loss-free balancing (moepipe.examples.routing); None: not used.
+    # Fields that are None are left out of the cache key (existing examples keep theirs).
+    bias_update_rate: float | None = None
     threads: int = 2  # pinned: the result must not depend on the machine's core count
     # Training windows begin at paragraph starts (and every seq_len // 2 tokens inside a long
     # paragraph, so no text is left out); each epoch visits all of them in a seeded order.
@@ -114,27 +120,39 @@ def train(model, token_ids: list[int], recipe: Recipe, seed: int,
     offsets = torch.arange(recipe.seq_len + 1)
     history = []
     model.train()
-    for step in range(recipe.steps):
-        lr = learning_rate(recipe, step)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        batch = ids[next(batches) + offsets]
-        out = model(input_ids=batch[:, :-1], output_router_logits=True)
-        lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
-        if out.aux_loss is None:
-            raise MoepipeError(f"{type(model).__name__} returns no load-balancing loss",
-                               "this family cannot be a trained example yet")
-        loss = lm + recipe.aux_loss_coef * out.aux_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        history.append((lm.item(), out.aux_loss.item()))
-        if step % 10 == 0 or step == recipe.steps - 1:
-            progress(f"step {step + 1}/{recipe.steps}: loss {history[-1][0]:.3f}, "
-                     f"balance loss {history[-1][1]:.3f}")
+    with RouterTap(model) as tap:
+        for step in range(recipe.steps):
+            history.append(_step(model, opt, tap, ids[next(batches) + offsets], recipe, step))
+            if step % 10 == 0 or step == recipe.steps - 1:
+                progress(f"step {step + 1}/{recipe.steps}: loss {history[-1][0]:.3f}, "
+                         f"balance loss {history[-1][1]:.3f}")
     model.eval()
     first, last = history[0], history[-1]
     return {"steps": recipe.steps, "tokens": recipe.steps * recipe.batch_size * recipe.seq_len,
             "loss_first": round(first[0], 4), "loss_last": round(last[0], 4),
             "aux_loss_first": round(first[1], 4), "aux_loss_last": round(last[1], 4)}
+
+
+def _step(model, opt, tap: RouterTap, batch, recipe: Recipe, step: int) -> tuple[float, float]:
+    """One optimizer step; returns (language-model loss, balance loss)."""
+    import torch
+
+    for group in opt.param_groups:
+        group["lr"] = learning_rate(recipe, step)
+    tap.clear()
+    out = model(input_ids=batch[:, :-1], output_router_logits=True)
+    lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
+    # transformers' own loss where the family has one (Mixtral, Qwen, OLMoE, GPT-OSS), else
+    # the same formula over the experts the routers chose (DeepSeek)
+    aux = getattr(out, "aux_loss", None)
+    if aux is None:
+        aux = tap.aux_loss()
+    loss = lm + recipe.aux_loss_coef * aux
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    if recipe.bias_update_rate is not None:
+        tap.update_correction_bias(recipe.bias_update_rate)
+    return lm.item(), aux.item()
+

@@ -65,11 +65,19 @@ def cache_key(name: str, example: Example) -> str:
     """sha256 of everything a trained example's weights depend on."""
     blob = {"name": name, "config_class": example.config_class, "config": example.config,
             "tokenizer_vocab": example.tokenizer_vocab, "seed": example.seed,
-            "recipe": asdict(example.recipe) if example.recipe else None,
+            "recipe": _recipe_key(example),
             "corpus": hashlib.sha256(_corpus().encode()).hexdigest(),
             "training_version": TRAINING_VERSION,
             "tools": {t: metadata.version(t) for t in _TOOLS}}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+
+
+def _recipe_key(example: Example) -> dict[str, Any] | None:
+    """The recipe's fields, less those left None (an optional field added later does not
+    change the key, so the examples trained before keep theirs)."""
+    if example.recipe is None:
+        return None
+    return {k: v for k, v in asdict(example.recipe).items() if v is not None}
 
 
 @contextlib.contextmanager
