@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from moepipe.errors import CheckpointError
 from moepipe.quant import dequant
@@ -26,6 +25,7 @@ from moepipe.runtime import mla
 from moepipe.runtime.activations import expert_activation
 from moepipe.runtime.attention_ext import attend, projection_qk_norm, window_mask
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
+from moepipe.runtime.moe import experts_dense, experts_sparse, shared_expert
 from moepipe.runtime.routing import RouteFn, route_op
 from moepipe.trtllm.mapping import stage_layers
 
@@ -388,7 +388,7 @@ class ReferenceModel:
         if layer.router is None:  # a dense layer: its MLP is held as an ungated shared expert
             out = torch.zeros_like(x)
             for w in layer.ranks:
-                self._shared_expert(x, layer, w, out)
+                shared_expert(x, layer, w, out)
             return out
         logits = x.float() @ layer.router.T
         # torch.ops.moepipe.route: ids, weights and the per-expert counts behind the
@@ -397,56 +397,9 @@ class ReferenceModel:
                                           router_bias=layer.router_bias,
                                           correction_bias=layer.correction_bias)
         ids = ids.long()
-        flat = ids.reshape(-1)
         self.expert_tokens[layer.index] += counts
         w0 = layer.ranks[0]
         if x.shape[0] * self.num_experts * (w0.fc[0].numel() + w0.proj[0].numel()) \
                 <= DENSE_LIMIT:
-            return self._moe_dense(x, layer, ids, weights)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // ids.shape[1]
-        weight_of = weights.reshape(-1)[order]
-        offsets = [0, *torch.cumsum(counts, 0).tolist()]
-        out = torch.zeros_like(x)
-        for w in layer.ranks:
-            for local, expert in enumerate(w.experts):
-                start, stop = offsets[expert], offsets[expert + 1]
-                if start == stop:
-                    continue
-                idx = token_of[start:stop]
-                h1 = w.quant("fc", x[idx]) @ w.fc[local].T
-                up, gate = (h1 if w.fc_bias is None else h1 + w.fc_bias[local]).chunk(2, dim=-1)
-                y = w.quant("proj", self.act(gate, up)) @ w.proj[local].T
-                if w.proj_bias is not None:
-                    y = y + w.proj_bias[local]
-                out.index_add_(0, idx, y * weight_of[start:stop, None])
-            self._shared_expert(x, layer, w, out)
-        return out
-
-    def _moe_dense(self, x, layer: Layer, ids, weights) -> torch.Tensor:
-        """Every local expert on every token in two matmuls; unselected experts get weight 0
-        (same result as the loop; far fewer operations when the layer is small)."""
-        dense = torch.zeros(x.shape[0], self.num_experts).scatter_(1, ids, weights)
-        out = torch.zeros_like(x)
-        for w in layer.ranks:
-            e_loc, inter = w.fc.shape[0], w.fc.shape[1] // 2
-            y = w.quant("fc", x) @ w.fc_flat.T
-            if w.fc_bias is not None:
-                y = y + w.fc_bias.reshape(-1)
-            y = y.view(-1, e_loc, 2, inter)
-            act = w.quant("proj", self.act(y[:, :, 1], y[:, :, 0]))
-            mine = dense[:, w.experts.start:w.experts.stop]
-            out += (act * mine[:, :, None]).reshape(x.shape[0], -1) @ w.proj_flat
-            if w.proj_bias is not None:  # sum over experts of weight * bias
-                out += mine @ w.proj_bias
-            self._shared_expert(x, layer, w, out)
-        return out
-
-    @staticmethod
-    def _shared_expert(x, layer: Layer, w: RankLayer, out: torch.Tensor) -> None:
-        if w.shared_fc is not None and w.shared_proj is not None:
-            up, gate = (w.quant("shared_fc", x) @ w.shared_fc.T).chunk(2, dim=-1)
-            shared = w.quant("shared_proj", F.silu(gate) * up) @ w.shared_proj.T
-            if layer.shared_gate is not None:  # Qwen2-MoE gates it; DeepSeek does not
-                shared = torch.sigmoid(x @ layer.shared_gate.T) * shared
-            out += shared
+            return experts_dense(x, layer, ids, weights, self.num_experts, self.act)
+        return experts_sparse(x, layer, ids, weights, counts, self.act)
