@@ -58,6 +58,12 @@ def _wait(cond, timeout=240.0, step=0.1):
     return False
 
 
+def _default_sigint():
+    """In a child that the test interrupts: Ctrl-C's default action, also when the suite
+    itself runs in the background (where a shell starts jobs with SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _left(cfg):
     return processes.deployment_processes(repository_dir(cfg))
 
@@ -166,7 +172,8 @@ def test_serve_restarts_a_dead_model_process_and_stops_on_ctrl_c(faulty):
         [sys.executable, "-m", "moepipe", "serve", str(repository_dir(cfg)), "--http-port",
          str(cfg.deploy.http_port), "--grpc-port", str(cfg.deploy.grpc_port),
          "--metrics-port", str(cfg.deploy.metrics_port), "--max-restarts", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_default_sigint)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
 
@@ -193,7 +200,15 @@ def test_serve_restarts_a_dead_model_process_and_stops_on_ctrl_c(faulty):
         print(f"\nserve: model process killed, serving again after "
               f"{time.monotonic() - killed:.1f}s")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 130
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            left = []
+            while not lines.empty():
+                left.append(lines.get())
+            raise AssertionError(f"serve still running 120 s after Ctrl-C: {seen + left}, "
+                                 f"processes {[(p.pid, p.kind) for p in _left(cfg)]}") from None
+        assert code == 130
         assert _left(cfg) == []
     finally:
         if proc.poll() is None:

@@ -204,7 +204,10 @@ def test_ctrl_c_is_one_line_exit_130(tmp_path):
     # quantization keeps the build busy for seconds: the interrupt lands inside the build
     path = write_config(tmp_path, quantize={"format": "fp8"})
     proc = subprocess.Popen([sys.executable, "-m", "moepipe", "build", "-c", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # Ctrl-C's default action, also when the suite runs in the
+                            # background (a shell starts background jobs with SIGINT ignored)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not list((tmp_path / "work" / "artifacts").glob(".quantize-*")) \
             and time.monotonic() < deadline and proc.poll() is None:
