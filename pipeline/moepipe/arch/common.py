@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from moepipe.arch.family import RuntimeFacts
-from moepipe.arch.rules import QKV, Replicated, Split, VocabSplit
+from moepipe.arch.rules import QKV, ExpertSource, Replicated, Split, VocabSplit
 
 _ATTN = "model.layers.{layer}.self_attn."
 
@@ -18,6 +18,17 @@ ATTENTION = {
     "attention.dense.weight": Split(_ATTN + "o_proj.weight", "hidden_size", "attn_width", dim=1),
     "post_layernorm.weight": Replicated("model.layers.{layer}.post_attention_layernorm.weight"),
 }
+
+# Routed experts as Qwen-MoE, OLMoE and DeepSeek store them (mlp.experts.{e}.{gate,up,down}_proj;
+# transformers 5's fused in-memory layout as the alternative).
+_MLP = "model.layers.{layer}.mlp."
+MLP_EXPERTS = ExpertSource(
+    gate=_MLP + "experts.{expert}.gate_proj.weight",
+    up=_MLP + "experts.{expert}.up_proj.weight",
+    down=_MLP + "experts.{expert}.down_proj.weight",
+    fused_gate_up=_MLP + "experts.gate_up_proj",
+    fused_down=_MLP + "experts.down_proj",
+)
 
 QK_NORM = {
     "attention.q_layernorm.weight": Replicated(_ATTN + "q_norm.weight", dims=("head_dim",)),

@@ -26,14 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from moepipe.arch.common import MODEL_RULES
+from moepipe.arch.common import MLP_EXPERTS, MODEL_RULES
 from moepipe.arch.family import Family, Fixed, RuntimeFacts
 from moepipe.arch.mla import ATTN, KVB, QB, DeepseekSpec, FusedA, FusedQ
 from moepipe.arch.routing import NormalizationMode, RoutingSpec, spec_from_hf
 from moepipe.arch.rules import (
     ExpertsDown,
     ExpertsGatedPair,
-    ExpertSource,
     GatedPair,
     Replicated,
     Router,
@@ -46,13 +45,7 @@ from moepipe.errors import UnsupportedError
 _MLP = "model.layers.{layer}.mlp."
 _ATTN = ATTN
 
-_EXPERTS = ExpertSource(
-    gate=_MLP + "experts.{expert}.gate_proj.weight",
-    up=_MLP + "experts.{expert}.up_proj.weight",
-    down=_MLP + "experts.{expert}.down_proj.weight",
-    fused_gate_up=_MLP + "experts.gate_up_proj",
-    fused_down=_MLP + "experts.down_proj",
-)
+_EXPERTS = MLP_EXPERTS
 
 _COMMON = {
     "input_layernorm.weight": Replicated("model.layers.{layer}.input_layernorm.weight"),

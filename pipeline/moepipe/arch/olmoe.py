@@ -22,33 +22,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moepipe.arch.common import ATTENTION, MODEL_RULES
+from moepipe.arch.common import ATTENTION, MLP_EXPERTS, MODEL_RULES
 from moepipe.arch.family import Family, Fixed, RuntimeFacts
 from moepipe.arch.geometry import COLUMN, Geometry, Part, chunk
 from moepipe.arch.rules import (
     ExpertsDown,
     ExpertsGatedPair,
-    ExpertSource,
-    RankContext,
     Router,
     Rule,
+    kv_rows,
 )
 from moepipe.arch.spec import ModelSpec
 from moepipe.errors import UnsupportedError
 
 _ATTN = "model.layers.{layer}.self_attn."
 _MLP = "model.layers.{layer}.mlp."
-
-
-def kv_rows(ctx: RankContext) -> slice:
-    """Rows of the K (or V) projection a tensor-parallel rank holds: its KV heads, or the one
-    duplicated head when there are fewer KV heads than ranks (TensorRT-LLM ``dup_kv_weight``)."""
-    s = ctx.spec
-    if s.num_kv_heads >= ctx.tp:
-        per = s.num_kv_heads // ctx.tp
-        return slice(ctx.tp_rank * per * s.head_dim, (ctx.tp_rank + 1) * per * s.head_dim)
-    head = ctx.tp_rank // (ctx.tp // s.num_kv_heads)
-    return slice(head * s.head_dim, (head + 1) * s.head_dim)
 
 
 @dataclass(frozen=True)
@@ -83,13 +71,7 @@ class ProjectionNorm(Rule):
         return Geometry(COLUMN, ((Part(src, rows=self._rows(ctx)),),), (src,))
 
 
-_EXPERTS = ExpertSource(
-    gate=_MLP + "experts.{expert}.gate_proj.weight",
-    up=_MLP + "experts.{expert}.up_proj.weight",
-    down=_MLP + "experts.{expert}.down_proj.weight",
-    fused_gate_up=_MLP + "experts.gate_up_proj",
-    fused_down=_MLP + "experts.down_proj",
-)
+_EXPERTS = MLP_EXPERTS
 
 
 def olmoe_runtime_facts(cfg: dict[str, Any]) -> RuntimeFacts:

@@ -1,17 +1,11 @@
 """Qwen2-MoE and Qwen3-MoE -> TensorRT-LLM QWen-class checkpoints."""
 
-from moepipe.arch.common import ATTENTION, MODEL_RULES, QK_NORM, qwen_runtime_facts
+from moepipe.arch.common import ATTENTION, MLP_EXPERTS, MODEL_RULES, QK_NORM, qwen_runtime_facts
 from moepipe.arch.family import Family, Fixed
-from moepipe.arch.rules import ExpertsDown, ExpertsGatedPair, ExpertSource, GatedPair, Router, Split
+from moepipe.arch.rules import ExpertsDown, ExpertsGatedPair, GatedPair, Router, Split
 
 _MLP = "model.layers.{layer}.mlp."
-_EXPERTS = ExpertSource(
-    gate=_MLP + "experts.{expert}.gate_proj.weight",
-    up=_MLP + "experts.{expert}.up_proj.weight",
-    down=_MLP + "experts.{expert}.down_proj.weight",
-    fused_gate_up=_MLP + "experts.gate_up_proj",
-    fused_down=_MLP + "experts.down_proj",
-)
+_EXPERTS = MLP_EXPERTS
 
 _MOE = {
     "mlp.router.weight": Router(_MLP + "gate.weight"),

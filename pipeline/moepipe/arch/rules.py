@@ -187,6 +187,18 @@ class Split(Rule):
         return Geometry(COLUMN if self.dim == 0 else ROW, ((part,),), (src,), quantizable=True)
 
 
+def kv_rows(ctx: RankContext) -> slice:
+    """Rows of the K (or V) projection a tensor-parallel rank holds: its KV heads, or the one
+    duplicated head when there are fewer KV heads than ranks (TensorRT-LLM ``dup_kv_weight``:
+    each KV head repeated tp/num_kv times, then split)."""
+    s = ctx.spec
+    if s.num_kv_heads >= ctx.tp:
+        per = s.num_kv_heads // ctx.tp
+        return slice(ctx.tp_rank * per * s.head_dim, (ctx.tp_rank + 1) * per * s.head_dim)
+    head = ctx.tp_rank // (ctx.tp // s.num_kv_heads)
+    return slice(head * s.head_dim, (head + 1) * s.head_dim)
+
+
 @dataclass(frozen=True)
 class QKV(Rule):
     """Fused attention projection (weight ``[rows, H]`` or bias ``[rows]``)."""
@@ -208,15 +220,6 @@ class QKV(Rule):
                 ctx.name(self.k): (s.num_kv_heads * s.head_dim, *self._tail(ctx)),
                 ctx.name(self.v): (s.num_kv_heads * s.head_dim, *self._tail(ctx))}
 
-    def kv_rows(self, ctx) -> slice:
-        s = ctx.spec
-        if s.num_kv_heads >= ctx.tp:
-            per = s.num_kv_heads // ctx.tp
-            return slice(ctx.tp_rank * per * s.head_dim, (ctx.tp_rank + 1) * per * s.head_dim)
-        # dup_kv_weight: each KV head repeated tp/num_kv times, then split -> one head per rank.
-        head = ctx.tp_rank // (ctx.tp // s.num_kv_heads)
-        return slice(head * s.head_dim, (head + 1) * s.head_dim)
-
     def shape(self, ctx):
         s = ctx.spec
         kv_heads = max(1, s.num_kv_heads // ctx.tp)
@@ -226,7 +229,7 @@ class QKV(Rule):
     def geometry(self, ctx, fused=False):
         s = ctx.spec
         q, k, v = ctx.name(self.q), ctx.name(self.k), ctx.name(self.v)
-        rows = self.kv_rows(ctx)
+        rows = kv_rows(ctx)
         parts = (Part(q, rows=chunk(s.num_heads * s.head_dim, ctx.tp, ctx.tp_rank)),
                  Part(k, rows=rows), Part(v, rows=rows))
         return Geometry(COLUMN, (parts,), (q, k, v), quantizable=not self.bias)
