@@ -3,6 +3,7 @@ full-size models plan to the expected rank shapes without any weights (meta devi
 
 import pytest
 import torch
+from meta_reader import MetaReader
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from moepipe.arch import get_family
@@ -75,19 +76,6 @@ def test_every_tensor_mapped_and_produced(family, examples):
         assert ("lm_head.weight" in names) == last and ("transformer.ln_f.weight" in names) == last
         assert {int(n.split(".")[2]) for n in names if n.startswith("transformer.layers.")} \
             == set(range(len(layers)))
-
-
-class MetaReader:
-    """Shapes of a model built on the meta device (transformers' in-memory, fused-expert layout)."""
-
-    def __init__(self, model):
-        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-    def has(self, name):
-        return name in self.shapes
-
-    def shape(self, name):
-        return self.shapes[name]
 
 
 def _meta(config):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from meta_reader import MetaReader
 from safetensors.torch import load_file
 
 from moepipe.runtime.checkpoint import load_checkpoint
@@ -298,20 +299,11 @@ def test_full_width_deepseek_v3_plans_to_the_planners_bytes():
         model = AutoModelForCausalLM.from_config(
             DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in skip}))
 
-    class MetaReader:
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-        def has(self, name):
-            return name in self.shapes
-
-        def shape(self, name):
-            return self.shapes[name]
-
     shape = model_shape(cfg, "DeepSeek-V3 (5 layers)")
     for tp, pp, moe_tp, moe_ep in [(8, 1, 1, 8), (8, 1, 8, 1), (4, 2, 2, 2)]:
         plan = plan_conversion(family, spec, Mapping.create(tp=tp, pp=pp, moe_tp=moe_tp,
                                                             moe_ep=moe_ep), "bfloat16",
-                               MetaReader())
+                               MetaReader(model))
         s = Sharding(tp, pp, moe_tp, moe_ep)
         for rank in range(tp * pp):
             assert plan.rank_bytes(rank) == stage_weight_bytes(shape, s, rank // tp, "none",

@@ -4,6 +4,7 @@ per-rank shapes of the published full-size configs (meta device, no weights)."""
 
 import pytest
 import torch
+from meta_reader import MetaReader
 from transformers import AutoModelForCausalLM, GptOssConfig, OlmoeConfig
 
 from moepipe.arch import get_family
@@ -29,17 +30,6 @@ GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                     "original_max_position_embeddings": 4096})
-
-
-class MetaReader:
-    def __init__(self, model):
-        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-    def has(self, name):
-        return name in self.shapes
-
-    def shape(self, name):
-        return self.shapes[name]
 
 
 def _meta_plan(config, arch, **mapping):
