@@ -229,3 +229,15 @@ def test_counts_from_validate_balance_job(tmp_path):
     path.write_text(json.dumps(report))
     with pytest.raises(MoepipeError, match="no balance measurement"):
         counts_from_file(path)
+
+
+def test_placement_is_keyed_by_decoder_layer_index_past_dense_layers():
+    """TensorRT-LLM keys ``initial_global_assignments`` by the decoder layer index of each MoE
+    layer, dense layers left out: its EPLB example for DeepSeek-R1 (first_k_dense_replace 3)
+    writes keys 3..60 (examples/wide_ep/ep_load_balancer/README.md and
+    generate_eplb_config.py, which keys by the statistic's ``layer_idx``). moepipe's counters
+    label layers the same way, so a model whose layers 0-1 are dense gives keys 2 and 3."""
+    lines = [f'moepipe_expert_tokens_total{{expert="{e}",layer="{layer}",model="m"}} {n}'
+             for layer in range(4) for e, n in enumerate([0, 0] if layer < 2 else [9, 1])]
+    plan = balance(counts_from_metrics("\n".join(lines), "m"), moe_ep=2)
+    assert sorted(plan.load_balancer()["initial_global_assignments"]) == [2, 3]

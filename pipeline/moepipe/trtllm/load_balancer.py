@@ -4,7 +4,9 @@ API (``MoeLoadBalancerConfig`` in ``tensorrt_llm/llmapi/llm_args.py``, 1.2):
 * ``num_slots``: expert slots per MoE layer, split evenly over the EP ranks (rank r holds slots
   ``[r*S, (r+1)*S)``, ``S = num_slots / moe_ep``); at least the number of experts;
 * ``initial_global_assignments``: ``{layer_idx: [expert of every slot]}`` for every MoE layer,
-  each list ``num_slots`` long and holding every expert at least once;
+  each list ``num_slots`` long and holding every expert at least once; ``layer_idx`` is the
+  decoder layer's index, dense layers left out (upstream's EPLB example for DeepSeek-R1, whose
+  first 3 layers are dense, writes keys 3..60: examples/wide_ep/ep_load_balancer/README.md);
 * ``layer_updates_per_iter``: 0 keeps the placement static.
 
 The fused MoE modules assert these at load (``_torch/modules/fused_moe/fused_moe_wide_ep.py``:
