@@ -109,5 +109,10 @@ while [ "$rank" -lt "$WORLD_SIZE" ]; do
     rank=$((rank + 1))
 done
 
+# Triton's HTTP frontend (libevhtp, 2.51 measured) parses a form-encoded body into stack arrays
+# of its size: 1 GiB thread stacks (address space, not memory) take bodies to ~400 MB instead of
+# dying at ~4 MB with the usual 8 MiB. Best effort: a lower hard limit is kept.
+ulimit -S -s 1048576 2>/dev/null || true
+
 echo "launch: $WORLD_SIZE rank(s) of $TRITONSERVER, serving http://$HOST:$HTTP_PORT, grpc $HOST:$GRPC_PORT, metrics http://$HOST:$METRICS_PORT/metrics" >&2
 exec mpirun --allow-run-as-root "$@"
