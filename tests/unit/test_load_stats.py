@@ -2,6 +2,7 @@
 expert-balance arithmetic, the Prometheus parsing, the driver's share of a plan, and the HTML
 report rendered from a report dict."""
 
+import asyncio
 import re
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from moepipe.config import parse_config
 from moepipe.validate import balance, html, stats
+from moepipe.validate import load as driver
 from moepipe.validate.load import LoadPlan, LoadResult, Prompt, Sample, _share, classify
 
 
@@ -85,6 +87,43 @@ def test_a_plan_splits_over_processes_without_losing_load():
     assert len({p.seed for p in parts}) == 2
     rate = LoadPlan("127.0.0.1:1", [], schedule=[(5, 4.0), (2, 10.0)], processes=2)
     assert _share(rate, 1, 2).schedule == [(5, 2.0), (2, 5.0)]
+
+
+
+def _send_times(plan, monkeypatch):
+    """When an open-loop plan sends, on a virtual clock (no server, no real waiting)."""
+    clock = [0.0]
+
+    class Client:
+        def now(self):
+            return clock[0]
+
+        async def send(self, prompt):
+            return Sample(prompt.kind, clock[0], "ok", done=clock[0])
+
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds):
+        await real_sleep(0)  # requests created before this wait start now
+        clock[0] += seconds
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    return sorted(s.sent for s in asyncio.run(driver._open(plan, Client(), plan.duration_s)))
+
+
+def test_open_loop_arrivals_are_evenly_spaced_or_poisson(monkeypatch):
+    prompts = [Prompt("short", "x", 4)]
+    even = LoadPlan("127.0.0.1:1", prompts, schedule=[(1.0, 8.0), (0.5, 4.0)],
+                    arrival="constant")
+    # 8/s for 1 s then 4/s for 0.5 s: every 1/8 s, then every 1/4 s from the step
+    assert _send_times(even, monkeypatch) == [0.125 * k for k in range(1, 8)] + [1.25]
+    poisson = LoadPlan("127.0.0.1:1", prompts, schedule=[(100.0, 8.0)], max_requests=400,
+                       duration_s=200)
+    gaps = np.diff(_send_times(poisson, monkeypatch))
+    assert len(gaps) == 399 and gaps.std() > 0.5 * gaps.mean()  # exponential: std == mean
+    with pytest.raises(ValueError, match="poisson or constant"):
+        driver.run_load(LoadPlan("127.0.0.1:1", prompts, schedule=[(1.0, 1.0)],
+                                 arrival="uniform"))
 
 
 METRICS = """# HELP moepipe_expert_tokens_total Tokens routed

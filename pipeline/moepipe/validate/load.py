@@ -8,9 +8,10 @@ sent, each token response, the final response and the server's own output-token 
 Two ways to load a server, both bounded by a request count and a deadline:
 
 * closed loop (``concurrency``): N users, each sends its next request when the last one ended;
-* open loop (``schedule``): Poisson arrivals at piecewise-constant rates (steps, bursts); a
-  request that would exceed ``max_inflight`` is counted as ``not_sent`` rather than queued on
-  the client, so a slow server cannot turn into an unbounded client backlog.
+* open loop (``schedule``): Poisson (or evenly spaced: ``arrival="constant"``) arrivals at
+  piecewise-constant rates (steps, bursts); a request that would exceed ``max_inflight`` is
+  counted as ``not_sent`` rather than queued on the client, so a slow server cannot turn into
+  an unbounded client backlog.
 
 ``processes > 1`` splits the load across that many processes (a saturated client would be
 mistaken for a slow server); every process reports its CPU time, and the result says how busy
@@ -96,6 +97,7 @@ class LoadPlan:
     seed: int = 0
     processes: int = 1
     protocol: str = "grpc"  # or "http": Triton's /generate_stream, server-sent events
+    arrival: str = "poisson"  # open loop: "poisson" or "constant" (evenly spaced) arrivals
 
 
 @dataclass
@@ -323,7 +325,7 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float,
         end = start + seconds
         at = max(at, start)
         while rate > 0 and sent < plan.max_requests:
-            at += rng.expovariate(rate)
+            at += 1.0 / rate if plan.arrival == "constant" else rng.expovariate(rate)
             if at >= end or at >= deadline or _stopped(stop):
                 break
             delay = at - client.now()
@@ -387,6 +389,8 @@ def run_load(plan: LoadPlan, stop: threading.Event | None = None) -> LoadResult:
     worker processes run their whole plan."""
     if (plan.concurrency is None) == (plan.schedule is None):
         raise ValueError("a load plan needs exactly one of concurrency or schedule")
+    if plan.arrival not in ("poisson", "constant"):
+        raise ValueError(f"unknown arrival {plan.arrival!r} (poisson or constant)")
     n = max(1, min(plan.processes, plan.concurrency or plan.processes))
     start = time.monotonic()
     if n == 1:
