@@ -131,19 +131,30 @@ def main() -> None:
     ap.add_argument("--mappings", choices=("both", "tp1"), default="both")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/moepipe-convert-bench"))
     ap.add_argument("--keep", action="store_true", help="keep the files")
+    ap.add_argument("--reuse-input", action="store_true",
+                    help="reuse the input a --keep run left in --workdir (same --gb)")
+    ap.add_argument("--rows", default="cold-fresh,warm-fresh,warm-hashed",
+                    help="comma-separated rows to measure (pages-input)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
-    if args.workdir.exists():
-        shutil.rmtree(args.workdir)
     src = args.workdir / "hf"
-    total, layer = make_checkpoint(src, args.gb * 1e9)
+    if args.reuse_input and (src / "config.json").is_file():
+        total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        layer = nbytes(layer_tensors(0))
+        for stale in ("copy", "out"):
+            shutil.rmtree(args.workdir / stale, ignore_errors=True)
+    else:
+        if args.workdir.exists():
+            shutil.rmtree(args.workdir)
+        total, layer = make_checkpoint(src, args.gb * 1e9)
     gb = total / 1e9
     print(f"input: {gb:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, "
           f"largest layer {layer / 1e6:.0f} MB")
     moepipe = [sys.executable, "-m", "moepipe", "-q", "convert", "--model", str(src)]
     results = []
     can_drop = drop_caches()
-    runs = ([("cold", "fresh")] if can_drop else []) + [("warm", "fresh"), ("warm", "hashed")]
+    wanted = args.rows.split(",")
+    runs = [tuple(r.split("-")) for r in wanted if can_drop or not r.startswith("cold")]
     mappings = [("tp=1", [])]
     if args.mappings == "both":
         mappings.append(("tp=4 moe_ep=2", ["--tp", "4", "--moe-ep", "2"]))

@@ -77,3 +77,32 @@ def test_stage_records_of_older_versions_are_checked_with_sha256(tmp_path):
     assert "its sha256 digest differs" in changed_output(out, old)
     new = {"files": {"w.bin": {"size": 7, "mtime_ns": 1, "blake3": _b3(b"weights")}}}
     assert "its blake3 digest differs" in changed_output(out, new)
+
+
+@pytest.mark.parametrize("mappable", [True, False])
+def test_digests_hash_the_page_cache_in_place_window_by_window(tmp_path, monkeypatch, mappable):
+    """Files are hashed in mapped windows (no copy into a buffer); any window size, any start,
+    and files that cannot be mapped (read instead) give the same digest."""
+    import mmap
+
+    from moepipe.checkpoints import digest
+
+    path = tmp_path / "f.bin"
+    data = os.urandom(5 * mmap.ALLOCATIONGRANULARITY + 77)
+    path.write_bytes(data)
+    monkeypatch.setattr(digest, "WINDOW", 2 * mmap.ALLOCATIONGRANULARITY)
+    if not mappable:
+        def refuse(*a, **k):
+            raise OSError(19, "No such device")
+        monkeypatch.setattr(mmap, "mmap", refuse)
+    assert file_digest(path) == _b3(data)
+    for start in (0, 1, mmap.ALLOCATIONGRANULARITY + 5, len(data) - 3):
+        h = blake3.blake3()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            digest.update_from_fd(h, fd, start, len(data))
+        finally:
+            os.close(fd)
+        assert h.hexdigest() == _b3(data[start:])
+    (tmp_path / "empty").write_bytes(b"")
+    assert file_digest(tmp_path / "empty") == _b3(b"")

@@ -75,8 +75,8 @@ def test_copied_ranges_give_the_same_file_and_digest(tmp_path, monkeypatch, kern
     w = SafetensorsWriter(copied, entries)
     fd = os.open(src, os.O_RDONLY)
     try:
-        w.copy_range(fd, 4, memoryview(payload)[:4096])
-        w.copy_range(fd, 4 + 4096, memoryview(payload)[4096:])
+        w.copy_range(fd, 4, 4096)
+        w.copy_range(fd, 4 + 4096, len(payload) - 4096)
     finally:
         os.close(fd)
     digest = w.close()
@@ -85,3 +85,41 @@ def test_copied_ranges_give_the_same_file_and_digest(tmp_path, monkeypatch, kern
     w.write_bytes(memoryview(payload)[4096:])
     assert w.close() == digest == blake3.blake3(copied.read_bytes()).hexdigest()
     assert copied.read_bytes() == written.read_bytes()
+
+
+def test_writer_hashes_what_it_wrote_even_far_behind(tmp_path, monkeypatch):
+    """The digest is of the file as written (hashed from the file, behind the writer); a
+    writer far ahead of its hasher waits for it, and the digest is still right."""
+    from moepipe.checkpoints import st_io
+
+    monkeypatch.setattr(st_io, "_HASH_LAG", 1000)
+    payload = os.urandom(64 * 1000 + 4)
+    src = tmp_path / "src.bin"
+    src.write_bytes(payload)
+    w = SafetensorsWriter(tmp_path / "o.safetensors", [("a", F32, (len(payload) // 4,))])
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        for i in range(0, len(payload) - 4, 4000):
+            (w.copy_range(fd, i, 4000) if i % 8000 else
+             w.write_bytes(memoryview(payload)[i:i + 4000]))
+        w.write_bytes(memoryview(payload)[-4:])
+    finally:
+        os.close(fd)
+    digest = w.close()
+    assert digest == blake3.blake3((tmp_path / "o.safetensors").read_bytes()).hexdigest()
+    assert load_file(tmp_path / "o.safetensors")["a"].numpy().tobytes() == payload
+
+
+def test_a_failing_digest_fails_the_write(tmp_path, monkeypatch):
+    """An error while hashing (a file gone bad under the writer) is raised by the writer, not
+    lost on its thread: no digest is returned for a file that was not hashed."""
+    from moepipe.checkpoints import digest
+
+    def broken(*a, **k):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(digest, "update_from_fd", broken)
+    w = SafetensorsWriter(tmp_path / "o.safetensors", [("a", F32, (4,))])
+    with pytest.raises(OSError, match="Input/output error"):
+        w.write_bytes(memoryview(bytes(16)))
+        w.close()

@@ -306,14 +306,19 @@ class CheckpointReader:
 
 class BufferPool:
     """A few reusable byte blocks: reading into them avoids page-faulting fresh memory for
-    every block, and bounds the bytes in flight."""
+    every block, and bounds the bytes in flight. Blocks are made when first needed (a
+    conversion that only copies bytes needs none)."""
 
     def __init__(self, count: int, size: int):
         self._free: queue.Queue[bytearray] = queue.Queue()
-        for _ in range(count):
-            self._free.put(bytearray(size))
+        self._size, self._unmade = size, count
+        self._lock = threading.Lock()
 
     def get(self) -> bytearray:
+        with self._lock:
+            if self._free.empty() and self._unmade:
+                self._unmade -= 1
+                return bytearray(self._size)
         return self._free.get()
 
     def put(self, buf: bytearray) -> None:
@@ -330,11 +335,13 @@ def write_all(fd: int, data) -> None:
 class SafetensorsWriter:
     """Write a safetensors file whose layout is fixed up front, streaming the data.
 
-    The BLAKE3 digest of the file is computed on a second thread (it releases the GIL) while
-    the next data is read and written. Bytes copied unchanged from another file go through
-    :meth:`copy_range`: the kernel copies them page cache to page cache (``copy_file_range``,
-    what ``cp`` does), which costs a quarter to a fifth of writing them from a buffer on the
-    machines measured (``benchmarks/convert_bench.py``); the buffer is only hashed.
+    The BLAKE3 digest of the file is computed on a second thread (it releases the GIL) from
+    the file itself, a little behind the writer: the written bytes are hashed where they lie in
+    the page cache (mapped, not read into a buffer: :func:`~moepipe.checkpoints.digest.
+    update_from_fd`), so the digest is of what was written and no byte passes through user
+    space twice. Bytes copied unchanged from another file go through :meth:`copy_range`: the
+    kernel copies them page cache to page cache (``copy_file_range``, what ``cp`` does) and
+    they never enter this process at all.
     """
 
     def __init__(self, path: Path, entries: list[tuple[str, DType, tuple[int, ...]]],
@@ -353,10 +360,13 @@ class SafetensorsWriter:
         from moepipe.checkpoints.digest import new_hasher  # readers (the runtime) need no blake3
 
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self._hash = new_hasher()
-        # the digest runs on its own thread (it releases the GIL), overlapping the next reads
-        self._queue: queue.Queue = queue.Queue(maxsize=32)
+        self._written = 0  # bytes in the file
+        self._hashed = 0  # of which the digest has seen
+        self._closing = self._abandon = False
+        self._failure: BaseException | None = None
+        self._progress = threading.Condition()
         self._hasher = threading.Thread(target=self._hash_loop, daemon=True)
         self._hasher.start()
         self._copy_ok = True  # copy_file_range works between these files (until it fails once)
@@ -364,16 +374,40 @@ class SafetensorsWriter:
         self._entry = 0
         self._left = self._sizes[0][2] if self._sizes else 0
 
-    def _emit(self, data, release=None) -> None:
+    def _emit(self, data) -> None:
         write_all(self._fd, data)
-        self._queue.put((data, release))
+        self._wrote(memoryview(data).nbytes)
+
+    def _wrote(self, nbytes: int) -> None:
+        """Tell the hasher ``nbytes`` more are in the file; wait while it lags far behind (the
+        bytes it has not seen should still be in the page cache when it gets to them)."""
+        with self._progress:
+            self._written += nbytes
+            self._progress.notify_all()
+            while self._written - self._hashed > _HASH_LAG and self._failure is None:
+                self._progress.wait()
+        if self._failure is not None:
+            raise self._failure
 
     def _hash_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            data, release = item
-            self._hash.update(data)
-            if release is not None:
-                release()
+        from moepipe.checkpoints.digest import update_from_fd
+
+        try:
+            while True:
+                with self._progress:
+                    while self._hashed == self._written and not self._closing:
+                        self._progress.wait()
+                    start, end = self._hashed, self._written
+                    if start == end or self._abandon:  # closing (everything hashed) or aborted
+                        return
+                update_from_fd(self._hash, self._fd, start, end)
+                with self._progress:
+                    self._hashed = end
+                    self._progress.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the writing thread
+            with self._progress:
+                self._failure = e
+                self._progress.notify_all()
 
     def _current(self) -> tuple[str, DType]:
         while self._left == 0 and self._entry < len(self._sizes) - 1:
@@ -394,51 +428,71 @@ class SafetensorsWriter:
     def write_zeros(self, nbytes: int) -> None:
         self.write_bytes(memoryview(bytes(nbytes)))
 
-    def write_bytes(self, data: memoryview, release=None) -> None:
-        """Append raw bytes (already in the declared dtype) to the current tensor. ``data``
-        must stay unchanged until ``release()`` is called (after it has been hashed)."""
+    def write_bytes(self, data: memoryview) -> None:
+        """Append raw bytes (already in the declared dtype) to the current tensor; ``data``
+        may be reused as soon as this returns."""
         name, _ = self._current()
         if data.nbytes > self._left:
             raise RuntimeError(f"{self.path.name}: too much data for '{name}'")
-        self._emit(data, release)
+        self._emit(data)
         self._left -= data.nbytes
 
-    def copy_range(self, src_fd: int, offset: int, data: memoryview, release=None) -> None:
-        """Append bytes that ``src_fd`` holds at ``offset`` and ``data`` holds too (already
-        read, for the digest): the kernel copies them from the source file. Filesystems or
-        kernels that cannot (``EXDEV``, ``EINVAL``, ``ENOSYS``...) get ``data`` written."""
+    def copy_range(self, src_fd: int, offset: int, nbytes: int) -> None:
+        """Append ``nbytes`` that ``src_fd`` holds at ``offset``: the kernel copies them from
+        the source file. Filesystems or kernels that cannot (``EXDEV``, ``EINVAL``,
+        ``ENOSYS``...) get them read and written in 1 MiB blocks."""
         name, _ = self._current()
-        if data.nbytes > self._left:
+        if nbytes > self._left:
             raise RuntimeError(f"{self.path.name}: too much data for '{name}'")
         done = 0
-        while self._copy_ok and done < data.nbytes:
+        while self._copy_ok and done < nbytes:
             try:
-                n = os.copy_file_range(src_fd, self._fd, data.nbytes - done, offset + done)
+                n = os.copy_file_range(src_fd, self._fd, min(nbytes - done, _COPY_STEP),
+                                       offset + done)
             except OSError:
                 n = 0
-            if n <= 0:  # not supported here (or the source shrank): write the buffer
+            if n <= 0:  # not supported here (or the source shrank): read and write
                 self._copy_ok = False
             else:
                 done += n
-        if done < data.nbytes:
-            write_all(self._fd, data[done:])
-        self._queue.put((data, release))
-        self._left -= data.nbytes
+                self._wrote(n)
+        if done < nbytes:
+            buf = memoryview(bytearray(min(nbytes - done, 1 << 20)))
+            while done < nbytes:
+                part = buf[:min(len(buf), nbytes - done)]
+                _pread_into(src_fd, part, offset + done,
+                            Path(f"the source of {self.path.name}"))
+                self._emit(part)
+                done += len(part)
+        self._left -= nbytes
 
     def close(self) -> str:
         """Finish the file; returns its BLAKE3 digest (hex)."""
         if self._left or self._entry < len(self._sizes) - 1:
             raise RuntimeError(f"{self.path.name}: tensor '{self._sizes[self._entry][0]}' "
                                "is incomplete")
-        self._queue.put(None)
-        self._hasher.join()
+        self._stop()
         os.close(self._fd)
+        if self._failure is not None:
+            raise self._failure
         return self._hash.hexdigest()
 
     def abort(self) -> None:
-        self._queue.put(None)
-        self._hasher.join()
+        self._abandon = True
+        self._stop()
         os.close(self._fd)
+
+    def _stop(self) -> None:
+        with self._progress:
+            self._closing = True
+            self._progress.notify_all()
+        self._hasher.join()
+
+
+# The hasher may lag this far behind the writer (bytes) before the writer waits for it.
+_HASH_LAG = 256 << 20
+# Bytes per copy_file_range call: the hasher follows the copy in steps of this size.
+_COPY_STEP = 8 << 20
 
 
 def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:

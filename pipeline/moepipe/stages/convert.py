@@ -360,18 +360,17 @@ def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointRead
         data = np.ascontiguousarray(block).data.cast("B")
         writer.write_bytes(convert_bytes(data, src, dtype))
         return
+    if src == dtype:  # unchanged bytes: the kernel copies them (they never enter the process)
+        writer.copy_range(reader.fd(region.info.file), region.offset, region.nbytes)
+        return
     step = BLOCK_BYTES - BLOCK_BYTES % src.itemsize
     for start in range(0, region.nbytes, step):
         n = min(step, region.nbytes - start)
         buf = pool.get()
         view = memoryview(buf)[:n]
         reader.read_bytes(region.info.file, region.offset + start, view)
-        if src == dtype:  # unchanged bytes: the kernel copies them, the buffer is hashed
-            writer.copy_range(reader.fd(region.info.file), region.offset + start, view,
-                              release=lambda b=buf: pool.put(b))
-        else:
-            writer.write_bytes(convert_bytes(view, src, dtype))
-            pool.put(buf)
+        writer.write_bytes(convert_bytes(view, src, dtype))
+        pool.put(buf)
 
 
 # -- host memory ------------------------------------------------------------------------------
