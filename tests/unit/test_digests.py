@@ -79,30 +79,29 @@ def test_stage_records_of_older_versions_are_checked_with_sha256(tmp_path):
     assert "its blake3 digest differs" in changed_output(out, new)
 
 
-@pytest.mark.parametrize("mappable", [True, False])
-def test_digests_hash_the_page_cache_in_place_window_by_window(tmp_path, monkeypatch, mappable):
-    """Files are hashed in mapped windows (no copy into a buffer); any window size, any start,
-    and files that cannot be mapped (read instead) give the same digest."""
-    import mmap
-
+def test_digests_of_any_range_and_block_size(tmp_path, monkeypatch):
+    """Files are hashed in reused blocks; any block size and any start give the digest of
+    exactly those bytes, and an empty file has the digest of nothing."""
     from moepipe.checkpoints import digest
 
     path = tmp_path / "f.bin"
-    data = os.urandom(5 * mmap.ALLOCATIONGRANULARITY + 77)
+    data = os.urandom(5 * 4096 + 77)
     path.write_bytes(data)
-    monkeypatch.setattr(digest, "WINDOW", 2 * mmap.ALLOCATIONGRANULARITY)
-    if not mappable:
-        def refuse(*a, **k):
-            raise OSError(19, "No such device")
-        monkeypatch.setattr(mmap, "mmap", refuse)
+    monkeypatch.setattr(digest, "BLOCK", 3 * 4096)
     assert file_digest(path) == _b3(data)
-    for start in (0, 1, mmap.ALLOCATIONGRANULARITY + 5, len(data) - 3):
+    for start in (0, 1, 4096 + 5, len(data) - 3, len(data)):
         h = blake3.blake3()
         fd = os.open(path, os.O_RDONLY)
         try:
-            digest.update_from_fd(h, fd, start, len(data))
+            digest.update_from_fd(h, fd, start, len(data), bytearray(1000))
         finally:
             os.close(fd)
         assert h.hexdigest() == _b3(data[start:])
     (tmp_path / "empty").write_bytes(b"")
     assert file_digest(tmp_path / "empty") == _b3(b"")
+    with pytest.raises(OSError, match="ended"):  # a file shorter than promised is an error
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            digest.update_from_fd(blake3.blake3(), fd, 0, len(data) + 1)
+        finally:
+            os.close(fd)

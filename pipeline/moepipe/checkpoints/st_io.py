@@ -336,12 +336,11 @@ class SafetensorsWriter:
     """Write a safetensors file whose layout is fixed up front, streaming the data.
 
     The BLAKE3 digest of the file is computed on a second thread (it releases the GIL) from
-    the file itself, a little behind the writer: the written bytes are hashed where they lie in
-    the page cache (mapped, not read into a buffer: :func:`~moepipe.checkpoints.digest.
-    update_from_fd`), so the digest is of what was written and no byte passes through user
-    space twice. Bytes copied unchanged from another file go through :meth:`copy_range`: the
-    kernel copies them page cache to page cache (``copy_file_range``, what ``cp`` does) and
-    they never enter this process at all.
+    the file itself, a little behind the writer: the bytes just written are read back from the
+    page cache in 1 MiB blocks and hashed, so the digest is of what was written. Bytes copied
+    unchanged from another file go through :meth:`copy_range`: the kernel copies them page
+    cache to page cache (``copy_file_range``, what ``cp`` does); the process reads them once,
+    for the digest.
     """
 
     def __init__(self, path: Path, entries: list[tuple[str, DType, tuple[int, ...]]],
@@ -390,8 +389,9 @@ class SafetensorsWriter:
             raise self._failure
 
     def _hash_loop(self) -> None:
-        from moepipe.checkpoints.digest import update_from_fd
+        from moepipe.checkpoints.digest import BLOCK, update_from_fd
 
+        buf = bytearray(BLOCK)  # reused: fresh memory for every block costs page faults
         try:
             while True:
                 with self._progress:
@@ -400,7 +400,7 @@ class SafetensorsWriter:
                     start, end = self._hashed, self._written
                     if start == end or self._abandon:  # closing (everything hashed) or aborted
                         return
-                update_from_fd(self._hash, self._fd, start, end)
+                update_from_fd(self._hash, self._fd, start, end, buf)
                 with self._progress:
                     self._hashed = end
                     self._progress.notify_all()
