@@ -3,6 +3,7 @@ converted at tp=1 and at tp=4/moe_ep=2; each run is timed against `cp -r` of the
 the same run, and its peak RSS is compared with the largest layer's bytes.
 
     python benchmarks/convert_bench.py [--gb 2.2] [--repeat 3] [--workdir DIR] [--keep]
+        [--reuse-input] [--rows cold-fresh,warm-fresh,warm-hashed] [--mappings both|tp1]
 
 Each pair (cp, then convert) runs "cold" (page cache dropped before each command, as for a
 checkpoint that lives on disk - needs root; skipped otherwise) and "warm" (input already in
