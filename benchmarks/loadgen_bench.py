@@ -2,14 +2,22 @@
 
     python benchmarks/loadgen_bench.py [--aiperf /path/to/venv/bin/aiperf] [--rates 2,4]
                                        [--concurrency 1] [--requests 72] [--max-tokens 64]
-                                       [--arrival constant|poisson] [--repeat 3] [--json out.json]
+                                       [--repeat 3] [--json out.json]
 
-Deploys tiny-mixtral (tp=1) on the cpu target, then for each load point runs three clients one
-after the other against the same server, with the same prompts and max_tokens: moepipe's
-driver over HTTP ``/generate_stream`` (server-sent events), AIPerf over the same endpoint (its
-template endpoint), and moepipe's driver over gRPC streaming (what the validation jobs use; a
-reference column). Load points: open loop at fixed request rates (``--rates``; evenly spaced
-arrivals by default, the same for both clients) and closed loop (``--concurrency``).
+Deploys tiny-mixtral (tp=1) on the cpu target. For each load point, AIPerf (over HTTP
+``/generate_stream``, its template endpoint) and moepipe's driver (over the same endpoint,
+server-sent events) run AT THE SAME TIME against that server, each with the load shown and the
+same prompts and max_tokens, so both see the same server at the same moment: a difference
+between their figures is a difference in measuring, not a server that was faster during one
+client's turn (measured: run one after the other, the same client's p50 moved 10-25% between
+runs on the shared 2-core machine). With two clients at the same rate each request overlaps
+the other client's requests alike (with three, fixed arrival phases gave one client requests
+that ran alone: 125 vs 140 ms). Then, for the reference column, the driver over gRPC (what
+the validation jobs use) runs with the driver over HTTP on the same load, half an interval
+apart, for as long. Load points, per client: open loop at a fixed request rate (``--rates``,
+evenly spaced arrivals) and closed loop (``--concurrency``). The driver runs in a worker
+process (``python -m moepipe.validate.load``) until AIPerf ends; only its requests sent
+within AIPerf's profiling window count.
 
 Compared (what both clients measure the same way): request rate, request latency p50/p90/p99,
 time to first token p50/p99. Not compared: token throughput and inter-token latency (over the
@@ -17,14 +25,12 @@ template endpoint AIPerf counts tokens by re-tokenizing the streamed text, which
 the server's counts on a random-weight model). Target: every compared figure within 10%.
 
 A client that saturates a core (or takes CPU from the server on a small machine) shows up as a
-slow server, so each run also reports the client's CPU (the driver's own getrusage; AIPerf's
-whole process tree, sampled from /proc during its profiling window), the server's CPU (the
-tritonserver process group: server and backend stubs) per request, the cores everything else
-on the machine used meanwhile, and the load average. Each client runs ``--repeat`` times per
-point in rotating order; the figures are medians, the ratio the median of the repeats' ratios,
-and the driver's own run-to-run spread is shown as the noise floor.
-AIPerf runs with the fewest processes it allows (one worker, one record processor, no server
-metrics or GPU telemetry collection).
+slow server, so each point also reports every client's CPU (the driver's own getrusage per
+worker; AIPerf's whole process tree, sampled from /proc during its profiling window), the
+server's CPU (the tritonserver process group: server and backend stubs) per request, the cores
+everything else on the machine used meanwhile, and the load average. AIPerf runs with the
+fewest processes it allows (one worker, one record processor, no server metrics or GPU
+telemetry collection) and, like the driver, a new connection per request.
 
 AIPerf is not a moepipe dependency (it brings its own stack, numpy 2): install it in its own
 virtualenv (``python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install
@@ -37,11 +43,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens|tojson }}, '
@@ -56,9 +64,10 @@ FIGURES = [("requests/s", "requests_per_s", ("request_throughput", "avg")),
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def group_cpu(pgid: int) -> dict[int, tuple[str, float]]:
-    """pid -> (name, CPU seconds user + system) of the live processes of a process group."""
-    out = {}
+def group_cpu(*pgids: int) -> dict[int, dict[int, tuple[str, float]]]:
+    """Per process group: pid -> (name, CPU seconds user + system) of its live processes
+    (one pass over /proc)."""
+    out: dict[int, dict[int, tuple[str, float]]] = {g: {} for g in pgids}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -67,9 +76,10 @@ def group_cpu(pgid: int) -> dict[int, tuple[str, float]]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        if int(fields[2]) == pgid:  # fields: state ppid pgrp ... utime(11) stime(12)
+        group = out.get(int(fields[2]))  # fields: state ppid pgrp ... utime(11) stime(12)
+        if group is not None:
             name = stat[stat.index("(") + 1:stat.rindex(")")]
-            out[int(d.name)] = (name, (int(fields[11]) + int(fields[12])) / TICK)
+            group[int(d.name)] = (name, (int(fields[11]) + int(fields[12])) / TICK)
     return out
 
 
@@ -79,10 +89,11 @@ def machine_cpu() -> float:
     return (sum(values) - values[3] - values[4]) / TICK
 
 
-def snapshot(server_pgid: int, client_pgid: int | None = None) -> dict:
+def snapshot(server_pgid: int, client_pgid: int) -> dict:
     """Wall-clock time and CPU seconds so far of the server, a client and the machine."""
-    return {"t": time.time(), "server": group_cpu(server_pgid), "machine": machine_cpu(),
-            "client": group_cpu(client_pgid) if client_pgid else {}}
+    groups = group_cpu(server_pgid, client_pgid)
+    return {"t": time.time(), "server": groups[server_pgid], "client": groups[client_pgid],
+            "machine": machine_cpu()}
 
 
 def cpu_between(a: dict, b: dict, who: str) -> float:
@@ -93,10 +104,9 @@ def cpu_between(a: dict, b: dict, who: str) -> float:
 
 class Sampler:
     """Snapshots every ``every`` seconds in a thread, so the CPU spent between two instants
-    known only afterwards (AIPerf's profiling window) can be read. Not used around the
-    driver: its CPU is its own process's getrusage, which would count this thread."""
+    known only afterwards (AIPerf's profiling window) can be read."""
 
-    def __init__(self, server_pgid: int, client_pgid: int, every: float = 0.1):
+    def __init__(self, server_pgid: int, client_pgid: int, every: float = 0.2):
         self.server_pgid, self.client_pgid, self.every = server_pgid, client_pgid, every
         self.snaps: list[dict] = []
         self._stop = threading.Event()
@@ -117,14 +127,6 @@ class Sampler:
 
     def at(self, t: float) -> dict:
         return min(self.snaps, key=lambda snap: abs(snap["t"] - t))
-
-
-def usage(a: dict, b: dict, client_cpu_s: float | None = None) -> dict:
-    """CPU use between two snapshots: client, server, and everything else on the machine."""
-    client = cpu_between(a, b, "client") if client_cpu_s is None else client_cpu_s
-    server = cpu_between(a, b, "server")
-    return {"window_s": b["t"] - a["t"], "client_cpu_s": client, "server_cpu_s": server,
-            "other_cpu_s": max(0.0, b["machine"] - a["machine"] - client - server)}
 
 
 def aiperf_cmd(aiperf: str, http: str, tokenizer: Path, data: Path, template: Path,
@@ -149,43 +151,6 @@ def aiperf_cmd(aiperf: str, http: str, tokenizer: Path, data: Path, template: Pa
             "--artifact-dir", str(out)]
 
 
-def run_aiperf(aiperf: str, http: str, tokenizer: Path, prompts: list[str], max_tokens: int,
-               point: tuple[str, float], arrival: str, requests: int, work: Path,
-               server_pgid: int) -> dict:
-    """One AIPerf profile: its profile_export_aiperf.json plus client and server CPU during
-    its profiling window (first request sent .. last response)."""
-    data = work / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
-    template = work / "template.json"  # a file: AIPerf splits inline values at commas
-    template.write_text(TEMPLATE)
-    out = work / f"aiperf-{point[0]}-{point[1]:g}"
-    cmd = aiperf_cmd(aiperf, http, tokenizer, data, template, max_tokens, point, arrival,
-                     requests, out)
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)  # its own group: its whole tree
-    with Sampler(server_pgid, proc.pid) as sampler:
-        try:
-            log, _ = proc.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            raise SystemExit("AIPerf did not finish within 900 s") from None
-    if proc.returncode != 0:
-        tail = "\n".join(log.splitlines()[-25:])
-        raise SystemExit(f"AIPerf failed (exit {proc.returncode}):\n{tail}")
-    found = sorted(out.rglob("profile_export_aiperf.json"))
-    if not found:
-        raise SystemExit(f"AIPerf wrote no profile_export_aiperf.json under {out}")
-    export = json.loads(found[-1].read_text())
-    a, b = (sampler.at(t) for t in profiling_window(found[-1].parent))
-    export.update(usage(a, b))
-    per_process: dict[str, float] = {}
-    for pid, (name, cpu) in b["client"].items():
-        per_process[name] = per_process.get(name, 0.0) + cpu - a["client"].get(pid, ("", 0))[1]
-    export["client_cpu_by_process"] = per_process
-    return export
-
-
 def profiling_window(folder: Path) -> tuple[float, float]:
     """Wall-clock start of the first and end of the last profiled request (AIPerf's
     per-request export), in seconds."""
@@ -201,32 +166,140 @@ def profiling_window(folder: Path) -> tuple[float, float]:
     return min(starts), max(ends)
 
 
-def run_driver(url: str, protocol: str, prompts: list[str], max_tokens: int,
-               point: tuple[str, float], arrival: str, requests: int,
-               server_pgid: int) -> dict:
-    from moepipe.validate.load import LoadPlan, Prompt, run_load
-    from moepipe.validate.stats import summarize
+def start_driver(url: str, protocol: str, prompts: list[str], max_tokens: int,
+                 point: tuple[str, float], phase: float = 0.0) -> dict:
+    """A driver worker process loading the server until it is sent SIGTERM. Open loop:
+    evenly spaced arrivals, ``phase`` of an interval late (two workers at the same rate and
+    phase would send in lockstep, and two requests arriving within a few ms of each other
+    are what triggers the server's ~0.3-0.5 s stall described in the README)."""
+    from moepipe.validate.load import LoadPlan, Prompt
 
     ps = [Prompt("short", p, max_tokens) for p in prompts]
     kind, value = point
-    if kind == "concurrency":
-        plan = LoadPlan(url, ps, concurrency=int(value), max_requests=requests,
-                        duration_s=600, protocol=protocol)
-        warm = LoadPlan(url, ps, concurrency=int(value), max_requests=int(value),
-                        protocol=protocol)
-    else:
-        plan = LoadPlan(url, ps, schedule=[(requests / value + 1, value)],
-                        max_requests=requests, duration_s=600, protocol=protocol,
-                        arrival=arrival)
-        warm = LoadPlan(url, ps, schedule=[(2 / value + 1, value)], max_requests=2,
-                        protocol=protocol, arrival=arrival)
-    run_load(warm)
-    before = snapshot(server_pgid)
-    res = run_load(plan)
-    after = snapshot(server_pgid)
-    out = summarize(res)
-    out.update(usage(before, after, sum(res.client_cpu_s)))  # the driver's own getrusage
+    load = ({"concurrency": int(value)} if kind == "concurrency" else
+            {"schedule": [(phase / value, 0.0), (900.0, value)], "arrival": "constant"})
+    plan = LoadPlan(url, ps, max_requests=1_000_000, duration_s=900, timeout_s=60,
+                    protocol=protocol, **load)
+    t0 = time.monotonic() + 2.0  # the worker's time 0, after its start-up
+    t0_wall = time.time() + (t0 - time.monotonic())
+    proc = subprocess.Popen([sys.executable, "-m", "moepipe.validate.load"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps({"plan": asdict(plan), "t0": t0}) + "\n")
+    proc.stdin.flush()
+    return {"proc": proc, "t0_wall": t0_wall}
+
+
+def finish_driver(run: dict) -> dict:
+    """Stop a driver worker (in-flight requests drain) and read what it measured."""
+    proc = run["proc"]
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise SystemExit("a driver worker did not stop within 120 s") from None
+    if proc.returncode != 0:
+        raise SystemExit(f"a driver worker failed (exit {proc.returncode})")
+    return {**run, **json.loads(out)}
+
+
+def driver_figures(run: dict, window: tuple[float, float]) -> dict:
+    """The driver's figures over its requests sent within AIPerf's profiling window."""
+    from moepipe.validate.load import LoadResult, Sample
+    from moepipe.validate.stats import summarize
+
+    start, end = (t - run["t0_wall"] for t in window)
+    samples = [Sample(**s) for s in run["samples"] if start <= s["sent"] <= end]
+    out = summarize(LoadResult(samples, end - start), samples, window=(start, end))
+    out["client_cores"] = run["cpu"] / run["wall"]
+    out["tokens_per_request"] = out["output_tokens_per_s"] / max(out["requests_per_s"], 1e-9)
     return out
+
+
+def run_point(aiperf: str, http: int, grpc: int, tokenizer: Path, prompts: list[str],
+              max_tokens: int, point: tuple[str, float], requests: int, work: Path,
+              server_pgid: int, tag: str) -> dict:
+    """AIPerf and the driver (HTTP) together on one load point, then the driver over gRPC
+    and over HTTP together on the same load for as long (the gRPC reference column)."""
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
+    template = work / "template.json"  # a file: AIPerf splits inline values at commas
+    template.write_text(TEMPLATE)
+    out = work / f"aiperf-{point[0]}-{point[1]:g}-{tag}"
+    cmd = aiperf_cmd(aiperf, f"127.0.0.1:{http}", tokenizer, data, template, max_tokens,
+                     point, "constant", requests, out)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)  # its own group: its whole tree
+    driver = start_driver(f"127.0.0.1:{http}", "http", prompts, max_tokens, point)
+    try:
+        with Sampler(server_pgid, proc.pid) as sampler:
+            try:
+                log, _ = proc.communicate(timeout=900)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise SystemExit("AIPerf did not finish within 900 s") from None
+    finally:
+        run = finish_driver(driver)
+    save_samples(work / f"driver-http-{point[0]}-{point[1]:g}-{tag}.json", run)
+    if proc.returncode != 0:
+        tail = "\n".join(log.splitlines()[-25:])
+        raise SystemExit(f"AIPerf failed (exit {proc.returncode}):\n{tail}")
+    found = sorted(out.rglob("profile_export_aiperf.json"))
+    if not found:
+        raise SystemExit(f"AIPerf wrote no profile_export_aiperf.json under {out}")
+    theirs = json.loads(found[-1].read_text())
+    window = profiling_window(found[-1].parent)
+    a, b = sampler.at(window[0]), sampler.at(window[1])
+    seconds = b["t"] - a["t"]
+    theirs["client_cores"] = cpu_between(a, b, "client") / seconds
+    by_process: dict[str, float] = {}
+    for pid, (name, cpu) in b["client"].items():
+        by_process[name] = by_process.get(name, 0.0) + cpu - a["client"].get(pid, ("", 0))[1]
+    ours = driver_figures(run, window)
+    server = cpu_between(a, b, "server")
+    clients = theirs["client_cores"] + ours["client_cores"]
+    shared = {"server_cores": server / seconds,
+              "server_ms_per_request": 1000 * server / (requests + ours["ok"]),
+              "other_cores": max(0.0, (b["machine"] - a["machine"]) / seconds - clients
+                                 - server / seconds),
+              "aiperf_cores_by_process": {k: v / seconds for k, v in by_process.items()},
+              "window_s": seconds, "gap_ms": arrival_gap(found[-1].parent, run, window)}
+    # the reference: gRPC next to HTTP, half an interval apart, for as long as AIPerf measured
+    pair = {"grpc": start_driver(f"127.0.0.1:{grpc}", "grpc", prompts, max_tokens, point),
+            "http": start_driver(f"127.0.0.1:{http}", "http", prompts, max_tokens, point,
+                                 phase=0.5)}
+    time.sleep(2.0 + 1.0 + seconds)  # start-up, one second to settle, the window
+    runs = {k: finish_driver(d) for k, d in pair.items()}
+    save_samples(work / f"driver-grpc-{point[0]}-{point[1]:g}-{tag}.json", runs["grpc"])
+    settled = runs["grpc"]["t0_wall"] + 1.0
+    reference = driver_figures(runs["grpc"], (settled, settled + seconds))
+    return {"http": ours, "grpc": reference, "aiperf": theirs, "shared": shared}
+
+
+def save_samples(path: Path, run: dict) -> None:
+    """The driver's per-request records, next to AIPerf's profile_export.jsonl."""
+    path.write_text(json.dumps({"t0_wall": run["t0_wall"], "samples": run["samples"]}))
+
+
+def arrival_gap(folder: Path, run: dict, window: tuple[float, float]) -> float:
+    """Median time (ms) from each of AIPerf's requests to the driver's nearest one: a few ms
+    means the two clients sent together (the server's stall, see the README)."""
+    import numpy as np
+
+    starts = [json.loads(line)["metadata"] for line in
+              (folder / "profile_export.jsonl").read_text().splitlines()]
+    ours = np.sort([run["t0_wall"] + s["sent"] for s in run["samples"]
+                    if window[0] - 5 <= run["t0_wall"] + s["sent"] <= window[1] + 5])
+    gaps = []
+    for m in starts:
+        if m.get("benchmark_phase") != "profiling" or not len(ours):
+            continue
+        t = m["request_start_ns"] / 1e9
+        i = int(np.searchsorted(ours, t))
+        gaps.append(min(abs(t - ours[j]) for j in (i - 1, i) if 0 <= j < len(ours)))
+    return 1000 * float(np.median(gaps)) if gaps else float("nan")
 
 
 def aiperf_figure(export: dict, key: tuple[str, str]) -> float | None:
@@ -241,30 +314,29 @@ def loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def figures(kind: str, run: dict, requests: int) -> dict[str, float | None]:
-    """The compared figures and the CPU figures of one run of one client."""
+def figures(kind: str, run: dict) -> dict[str, float | None]:
+    """The compared figures and the client CPU of one client's run."""
     from moepipe.validate.stats import figure
 
     out = {name: (aiperf_figure(run, key) if kind == "aiperf" else figure(run, path))
            for name, path, key in FIGURES}
-    out["client CPU ms/request"] = 1000 * run["client_cpu_s"] / requests
-    out["server CPU ms/request"] = 1000 * run["server_cpu_s"] / requests
-    out["server CPU cores"] = run["server_cpu_s"] / run["window_s"]
-    if kind != "aiperf":  # the server's own counts (AIPerf re-tokenizes the text)
-        out["tokens/request"] = run["output_tokens_per_s"] / max(run["requests_per_s"], 1e-9)
-    out["other CPU cores"] = run["other_cpu_s"] / run["window_s"]
+    out["client CPU cores"] = run["client_cores"]
+    out["tokens/request (server)"] = run.get("tokens_per_request")  # not AIPerf's re-count
+    rate = out["requests/s"]
+    out["client CPU ms/request"] = 1000 * run["client_cores"] / rate if rate else None
     return out
 
 
-def compare(point: tuple[str, float], runs: dict[str, list[dict]]) -> list[dict]:
+def compare(point: tuple[str, float], runs: list[dict]) -> list[dict]:
     """Per figure: each client's median over the repeats, the median (and range) of the
-    repeats' moepipe/AIPerf ratios (each repeat ran both clients back to back), and how much
-    the driver's own figure moved between repeats (the noise floor of a ratio)."""
+    repeats' moepipe/AIPerf ratios, and how much the driver's own figure moved between
+    repeats (the noise floor of a ratio)."""
     label = f"{point[0]} {point[1]:g}"
+    per = {k: [figures(k, r[k]) for r in runs] for k in ("http", "aiperf", "grpc")}
     rows = []
-    for name in runs["http"][0]:
-        ours = [r[name] for r in runs["http"]]
-        theirs = [r.get(name) for r in runs["aiperf"]]
+    for name in per["http"][0]:
+        ours = [f[name] for f in per["http"]]
+        theirs = [f[name] for f in per["aiperf"]]
         compared = name in {f[0] for f in FIGURES}
         ratios = [a / b for a, b in zip(ours, theirs, strict=True) if a and b] if compared \
             else []
@@ -273,7 +345,7 @@ def compare(point: tuple[str, float], runs: dict[str, list[dict]]) -> list[dict]
                      "aiperf": median(theirs), "ratio": median(ratios) if ratios else None,
                      "ratio_range": [min(ratios), max(ratios)] if ratios else None,
                      "moepipe_spread": spread,
-                     "moepipe_grpc": median([r[name] for r in runs["grpc"]]),
+                     "moepipe_grpc": median([f[name] for f in per["grpc"]]),
                      "repeats": {"moepipe": ours, "aiperf": theirs}})
     return rows
 
@@ -291,16 +363,14 @@ def main() -> None:
     ap.add_argument("--aiperf", default=str(Path(sys.executable).with_name("aiperf")))
     ap.add_argument("--example", default="tiny-mixtral")
     ap.add_argument("--requests", type=int, default=72,
-                    help="measured requests per run (rounded up to a multiple of 24 prompts)")
+                    help="AIPerf's requests per point (rounded up to a multiple of 24 prompts)")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rates", default="2,4", help="open-loop request rates (req/s)")
-    ap.add_argument("--concurrency", default="1", help="closed-loop concurrencies ('' none)")
-    ap.add_argument("--arrival", choices=["constant", "poisson"], default="constant")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="runs of each client per point, in rotating order")
+    ap.add_argument("--rates", default="2,4", help="open-loop request rates per client")
+    ap.add_argument("--concurrency", default="1", help="closed-loop concurrency per client")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each point")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if not Path(args.aiperf).exists() and not args.aiperf.startswith("aiperf"):
+    if not Path(args.aiperf).exists():
         raise SystemExit(f"error: no AIPerf at {args.aiperf} (hint: --aiperf "
                          "/path/to/venv/bin/aiperf, see this script's docstring)")
 
@@ -311,6 +381,7 @@ def main() -> None:
     from moepipe.config import load_config
     from moepipe.deploy import server
     from moepipe.deploy.lifecycle import status
+    from moepipe.validate.load import LoadPlan, Prompt, run_load
     from moepipe.validate.loadjobs import short_prompts
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "e2e"))
@@ -334,64 +405,60 @@ def main() -> None:
         args.requests += len(prompts) - args.requests % len(prompts)
         print(f"--requests rounded up to {args.requests} (a multiple of {len(prompts)} "
               "prompts)", flush=True)
-    rows, load = [], [loadavg()]
-    clients = {
-        "http": lambda point: run_driver(f"127.0.0.1:{http}", "http", prompts,
-                                         args.max_tokens, point, args.arrival, args.requests,
-                                         pgid),
-        "aiperf": lambda point: run_aiperf(args.aiperf, f"127.0.0.1:{http}",
-                                           cfg.deploy_dir / "tokenizer", prompts,
-                                           args.max_tokens, point, args.arrival,
-                                           args.requests, work, pgid),
-        "grpc": lambda point: run_driver(f"127.0.0.1:{grpc}", "grpc", prompts,
-                                         args.max_tokens, point, args.arrival, args.requests,
-                                         pgid)}
+    results: dict[tuple[str, float], list[dict]] = {p: [] for p in points}
+    load = [loadavg()]
     try:
-        for point in points:
-            runs: dict[str, list[dict]] = {k: [] for k in clients}
-            for i in range(args.repeat):
-                # the order rotates, so no client always runs first after another one
-                order = list(clients)[i % 3:] + list(clients)[:i % 3]
-                for kind in order:
-                    run = clients[kind](point)
-                    runs[kind].append(figures(kind, run, args.requests))
-                    if kind == "aiperf":
-                        busiest = sorted(run["client_cpu_by_process"].items(),
-                                         key=lambda kv: -kv[1])[:4]
-                        print(f"{point[0]} {point[1]:g}: AIPerf CPU ms/request by process: "
-                              + ", ".join(f"{n} {1000 * c / args.requests:.1f}"
-                                          for n, c in busiest), flush=True)
+        for url, protocol in ((f"127.0.0.1:{http}", "http"), (f"127.0.0.1:{grpc}", "grpc")):
+            run_load(LoadPlan(url, [Prompt("short", p, args.max_tokens) for p in prompts],
+                              concurrency=2, max_requests=4, protocol=protocol))  # warm-up
+        for i in range(args.repeat):
+            for point in points:
+                results[point].append(run_point(
+                    args.aiperf, http, grpc, cfg.deploy_dir / "tokenizer", prompts,
+                    args.max_tokens, point, args.requests, work, pgid, str(i)))
                 load.append(loadavg())
-            rows += compare(point, runs)
     finally:
         server.stop(state_dir(cfg))
-    report(args, rows, load)
+    report(args, points, results, load)
+    print(f"per-request records (AIPerf's and the driver's): {work}")
 
 
-def report(args, rows: list[dict], load: list[float]) -> None:
-    arrivals = f", {args.arrival} arrivals" if args.rates else ""
-    print(f"{args.example} tp=1, {args.requests} requests x {args.max_tokens} tokens per run, "
-          f"streaming{arrivals}, {args.repeat} repeats per client (medians); "
-          f"1-minute load average {min(load):.2f}-{max(load):.2f}")
-    print("both over HTTP /generate_stream (moepipe's driver over gRPC streaming for reference);"
-          " ratio: median [range] of the repeats' moepipe/AIPerf; spread: max/min - 1 of the "
+def report(args, points: list, results: dict, load: list[float]) -> None:
+    print(f"{args.example} tp=1, {args.max_tokens} tokens per request; per point AIPerf (HTTP)"
+          f" and moepipe's driver (HTTP) run together, each with the load shown "
+          f"({args.requests} AIPerf requests), then the driver over gRPC next to the driver over"
+          f" HTTP; {args.repeat} repeats (medians); 1-minute load average "
+          f"{min(load):.2f}-{max(load):.2f}")
+    print("ratio: median [range] of the repeats' moepipe/AIPerf; spread: max/min - 1 of the "
           "driver's own repeats")
-    print(f"{'point':<15} | {'figure':<22} | {'moepipe':>8} | {'aiperf':>8} | "
+    print(f"{'point (per client)':<18} | {'figure':<22} | {'moepipe':>8} | {'aiperf':>8} | "
           f"{'ratio [range]':<19} | spread | {'gRPC':>8}")
-    worst = 0.0
-    for r in rows:
-        fmt = lambda v: "-" if v is None else f"{v:8.2f}"  # noqa: E731
-        ratio = "-" if r["ratio"] is None else \
-            f"{r['ratio']:.3f} [{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}]"
-        spread = "-" if r["moepipe_spread"] is None else f"{r['moepipe_spread']:.0%}"
-        print(f"{r['point']:<15} | {r['figure']:<22} | {fmt(r['moepipe'])} | "
-              f"{fmt(r['aiperf'])} | {ratio:<19} | {spread:>6} | {fmt(r['moepipe_grpc'])}")
-        if r["ratio"] is not None:
-            worst = max(worst, abs(r["ratio"] - 1))
+    worst, rows = 0.0, []
+    fmt = lambda v: "-" if v is None else f"{v:8.2f}"  # noqa: E731
+    for point in points:
+        point_rows = compare(point, results[point])
+        rows += point_rows
+        for r in point_rows:
+            ratio = "-" if r["ratio"] is None else \
+                f"{r['ratio']:.3f} [{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}]"
+            spread = "-" if r["moepipe_spread"] is None else f"{r['moepipe_spread']:.0%}"
+            print(f"{r['point']:<18} | {r['figure']:<22} | {fmt(r['moepipe'])} | "
+                  f"{fmt(r['aiperf'])} | {ratio:<19} | {spread:>6} | {fmt(r['moepipe_grpc'])}")
+            if r["ratio"] is not None:
+                worst = max(worst, abs(r["ratio"] - 1))
+        for shared in (run["shared"] for run in results[point]):
+            busiest = sorted(shared["aiperf_cores_by_process"].items(), key=lambda kv: -kv[1])
+            print(f"    server {shared['server_cores']:.2f} cores, "
+                  f"{shared['server_ms_per_request']:.0f} ms CPU/request; everything else "
+                  f"{shared['other_cores']:.2f} cores; AIPerf request to nearest driver "
+                  f"request: median {shared['gap_ms']:.1f} ms; AIPerf by process (cores): "
+                  + ", ".join(f"{n} {c:.2f}" for n, c in busiest[:3]))
     print(f"target (every compared figure within 10% of AIPerf's): "
           f"{'MET' if worst <= 0.10 else 'NOT MET'} (largest difference {worst:.1%})")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "loadavg": load}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "loadavg": load, "runs": [
+            {"point": list(p), "repeat": i, "shared": r["shared"]}
+            for p in points for i, r in enumerate(results[p])]}, indent=2))
 
 
 if __name__ == "__main__":

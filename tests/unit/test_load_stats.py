@@ -3,7 +3,15 @@ expert-balance arithmetic, the Prometheus parsing, the driver's share of a plan,
 report rendered from a report dict."""
 
 import asyncio
+import json
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +95,9 @@ def test_a_plan_splits_over_processes_without_losing_load():
     assert len({p.seed for p in parts}) == 2
     rate = LoadPlan("127.0.0.1:1", [], schedule=[(5, 4.0), (2, 10.0)], processes=2)
     assert _share(rate, 1, 2).schedule == [(5, 2.0), (2, 5.0)]
+    even = LoadPlan("127.0.0.1:1", [], schedule=[(5, 4.0)], processes=2, arrival="constant")
+    # interleaved: process 1 sends half an interval (of the 2/s each sends) after process 0
+    assert [_share(even, i, 2).schedule for i in range(2)] == [[(5, 2.0)], [(0.25, 0.0), (5, 2.0)]]
 
 
 
@@ -124,6 +135,47 @@ def test_open_loop_arrivals_are_evenly_spaced_or_poisson(monkeypatch):
     with pytest.raises(ValueError, match="poisson or constant"):
         driver.run_load(LoadPlan("127.0.0.1:1", prompts, schedule=[(1.0, 1.0)],
                                  arrival="uniform"))
+
+
+
+def test_a_load_worker_stops_sending_on_sigterm_and_still_reports():
+    with socket.socket() as s:  # a port nothing listens on: every request is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    plan = LoadPlan(f"127.0.0.1:{port}", [Prompt("short", "x", 4)], schedule=[(600.0, 20.0)],
+                    max_requests=100000, duration_s=600, timeout_s=2, protocol="http")
+    proc = subprocess.Popen([sys.executable, "-m", "moepipe.validate.load"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write(json.dumps({"plan": asdict(plan), "t0": time.monotonic()}) + "\n")
+        proc.stdin.flush()
+        status = Path(f"/proc/{proc.pid}/status")
+        for _ in range(600):  # until the worker catches SIGTERM (its handler is installed)
+            caught = int(re.search(r"SigCgt:\s*(\w+)", status.read_text())[1], 16)
+            if caught >> (signal.SIGTERM - 1) & 1:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)  # not the 600 s of its plan
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    report = json.loads(out)
+    assert report["cpu"] >= 0 and report["wall"] > 0
+    assert {s["status"] for s in report["samples"]} <= {"failed"}
+
+
+def test_a_plan_over_two_processes_returns_both_processes_samples():
+    with socket.socket() as s:  # a port nothing listens on: every request is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = driver.run_load(LoadPlan(f"127.0.0.1:{port}", [Prompt("short", "x", 4)],
+                                      schedule=[(1.1, 6.0)], arrival="constant",
+                                      max_requests=6, processes=2, protocol="http",
+                                      timeout_s=2, duration_s=5))
+    # 3/s each for 1.1 s: both processes send 3
+    assert len(result.samples) == 6 and {s.status for s in result.samples} == {"failed"}
+    assert len(result.client_cpu_s) == 2 and len(result.client_wall_s) == 2
 
 
 METRICS = """# HELP moepipe_expert_tokens_total Tokens routed

@@ -25,6 +25,7 @@ import itertools
 import json
 import random
 import resource
+import signal
 import struct
 import subprocess
 import sys
@@ -380,6 +381,11 @@ def _share(plan: LoadPlan, i: int, n: int) -> LoadPlan:
         part.concurrency = plan.concurrency // n + (i < plan.concurrency % n)
     else:
         part.schedule = [(s, r / n) for s, r in plan.schedule or []]
+        first = next((r for _, r in plan.schedule or [] if r > 0), 0.0)
+        if plan.arrival == "constant" and first > 0 and i:
+            # evenly spaced over all processes, not in lockstep: process i starts i/n of its
+            # interval later (a leading step at rate 0)
+            part.schedule.insert(0, (i / first, 0.0))
     return part
 
 
@@ -405,8 +411,10 @@ def run_load(plan: LoadPlan, stop: threading.Event | None = None) -> LoadResult:
     for i, proc in enumerate(procs):
         if proc.stdin is None:
             raise RuntimeError("a load process has no stdin")
-        proc.stdin.write(json.dumps({"plan": asdict(_share(plan, i, n)), "t0": t0}))
-        proc.stdin.close()
+        # one line, flushed: the worker starts on it; communicate() below closes stdin (a
+        # stdin closed here made communicate() fail: "I/O operation on closed file")
+        proc.stdin.write(json.dumps({"plan": asdict(_share(plan, i, n)), "t0": t0}) + "\n")
+        proc.stdin.flush()
     limit = plan.duration_s + plan.timeout_s + 60
     parts = []
     for proc in procs:
@@ -424,13 +432,19 @@ def run_load(plan: LoadPlan, stop: threading.Event | None = None) -> LoadResult:
 
 
 def _worker() -> None:
-    """``python -m moepipe.validate.load``: run the plan on stdin, print samples as JSON."""
-    job = json.loads(sys.stdin.read())
+    """``python -m moepipe.validate.load``: run the plan on stdin's first line (JSON: plan,
+    t0), print samples as JSON.
+    SIGTERM ends the sending early, as ``run_load``'s ``stop`` does (in-flight requests drain,
+    then the samples are printed): a caller can run a worker alongside another client for as
+    long as that one runs."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    job = json.loads(sys.stdin.readline())
     raw = job["plan"]
     raw["prompts"] = [Prompt(**p) for p in raw["prompts"]]
     if raw["schedule"] is not None:
         raw["schedule"] = [tuple(x) for x in raw["schedule"]]
-    samples, cpu, wall = _run_one(LoadPlan(**raw), job["t0"])
+    samples, cpu, wall = _run_one(LoadPlan(**raw), job["t0"], stop)
     sys.stdout.write(json.dumps({"samples": [asdict(s) for s in samples], "cpu": cpu,
                                  "wall": wall}))
 
