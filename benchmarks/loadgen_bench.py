@@ -371,8 +371,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not Path(args.aiperf).exists():
-        raise SystemExit(f"error: no AIPerf at {args.aiperf} (hint: --aiperf "
-                         "/path/to/venv/bin/aiperf, see this script's docstring)")
+        ap.error(f"no AIPerf at {args.aiperf} (hint: --aiperf /path/to/venv/bin/aiperf, see "
+                 "this script's docstring)")  # exit 2
 
     import yaml
 
