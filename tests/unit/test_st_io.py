@@ -123,3 +123,34 @@ def test_a_failing_digest_fails_the_write(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="Input/output error"):
         w.write_bytes(memoryview(bytes(16)))
         w.close()
+
+
+@pytest.mark.parametrize("outcome", ["reserved", "unsupported", "disk full"])
+def test_output_space_is_reserved_up_front(tmp_path, monkeypatch, outcome):
+    """The writer reserves the file's final size before writing (a full disk fails at once);
+    where the filesystem cannot, the file simply grows; the bytes are the same either way."""
+    import ctypes
+    import errno
+
+    from moepipe.checkpoints import st_io
+
+    x = torch.randn(64, 33)
+    if outcome != "reserved":
+        def refuse(fd, mode, offset, nbytes):
+            ctypes.set_errno(errno.EOPNOTSUPP if outcome == "unsupported" else errno.ENOSPC)
+            return -1
+        monkeypatch.setattr(st_io, "_fallocate", refuse)
+    path = tmp_path / "o.safetensors"
+    if outcome == "disk full":
+        with pytest.raises(OSError) as e:
+            SafetensorsWriter(path, [("x", F32, (64, 33))])
+        assert e.value.errno == errno.ENOSPC
+        return
+    w = SafetensorsWriter(path, [("x", F32, (64, 33))])
+    size = path.stat().st_size
+    w.write(x)
+    digest = w.close()
+    final = path.stat().st_size
+    assert size == final if outcome == "reserved" else size < final
+    assert torch.equal(load_file(path)["x"], x)
+    assert digest == blake3.blake3(path.read_bytes()).hexdigest()

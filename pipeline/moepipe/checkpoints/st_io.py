@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -332,6 +333,39 @@ def write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
+_fallocate = None
+
+
+def preallocate(fd: int, nbytes: int) -> bool:
+    """Reserve ``nbytes`` for the file up front (Linux ``fallocate``, mode 0), where the
+    filesystem can: a full disk fails here, before anything is written, and the kernel copies
+    into a preallocated file cheaper than into one that grows (measured: 0.40 against 0.49
+    CPU-s for 1.4 GB of ``copy_file_range`` into one file). Elsewhere nothing happens (no
+    emulation by writing zeros, as ``posix_fallocate`` does); returns whether it was done."""
+    global _fallocate
+    if _fallocate is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            _fallocate = libc.fallocate
+            _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            _fallocate.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _fallocate = False
+    if not _fallocate or nbytes <= 0:
+        return False
+    if _fallocate(fd, 0, 0, nbytes) == 0:
+        return True
+    import ctypes
+
+    err = ctypes.get_errno()
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        raise OSError(err, os.strerror(err))
+    return False  # EOPNOTSUPP and the like: the file grows as it is written
+
+
 class SafetensorsWriter:
     """Write a safetensors file whose layout is fixed up front, streaming the data.
 
@@ -360,6 +394,11 @@ class SafetensorsWriter:
 
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            preallocate(self._fd, 8 + len(blob) + offset)
+        except OSError:
+            os.close(self._fd)
+            raise
         self._hash = new_hasher()
         self._written = 0  # bytes in the file
         self._hashed = 0  # of which the digest has seen
