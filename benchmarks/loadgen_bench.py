@@ -133,7 +133,11 @@ def aiperf_cmd(aiperf: str, http: str, tokenizer: Path, data: Path, template: Pa
                max_tokens: int, point: tuple[str, float], arrival: str, requests: int,
                out: Path) -> list[str]:
     kind, value = point
-    load = (["--concurrency", str(int(value)), "--warmup-request-count", str(int(value))]
+    # At a bare --concurrency AIPerf's timing manager spins (a 0-interval "concurrency burst"
+    # that only yields while no slot is free: aiperf/timing/strategies/request_rate.py), 0.7
+    # of a core here; capped by a 1000/s rate it checks for a free slot once a millisecond.
+    load = (["--concurrency", str(int(value)), "--warmup-request-count", str(int(value)),
+             "--request-rate", "1000", "--arrival-pattern", "constant"]
             if kind == "concurrency" else
             ["--request-rate", f"{value:g}", "--arrival-pattern", arrival,
              "--warmup-request-count", "2"])
