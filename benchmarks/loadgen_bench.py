@@ -30,7 +30,9 @@ worker; AIPerf's whole process tree, sampled from /proc during its profiling win
 server's CPU (the tritonserver process group: server and backend stubs) per request, the cores
 everything else on the machine used meanwhile, and the load average. AIPerf runs with the
 fewest processes it allows (one worker, one record processor, no server metrics or GPU
-telemetry collection) and, like the driver, a new connection per request.
+telemetry collection) and, like the driver, a new connection per request; its closed loop is
+``--concurrency`` capped by ``--request-rate 1000`` (a bare ``--concurrency`` spins 0.7 of a
+core in its timing manager).
 
 AIPerf is not a moepipe dependency (it brings its own stack, numpy 2): install it in its own
 virtualenv (``python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install
