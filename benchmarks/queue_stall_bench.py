@@ -3,7 +3,7 @@
 For each ``--variant`` (``INSTANCES:DELAY_US``) the tiny example is built and deployed on the cpu
 target (tp=1, loopback, free ports), then ``--pairs`` pairs of streamed requests are sent through
 the ensemble's HTTP ``generate_stream``, the two of a pair 0-6 ms apart, and the server's own
-``nv_inference_queue_duration_us`` of the preprocessing model is read before and after. A
+``nv_inference_queue_duration_us`` of the pre- and postprocessing models is read before and after. A
 Triton 2.51 dynamic batcher with ``max_queue_delay_microseconds: 0`` sometimes leaves a request
 that arrived while the instance was busy waiting out its 500 ms idle wait; this shows it.
 
@@ -67,6 +67,7 @@ def run_variant(root: Path, n: int, instances: int, delay_us: int, pairs: int) -
     try:
         for i in range(3):
             stream(i, 0.0)
+        post0 = metric(murl, "nv_inference_queue_duration_us", "postprocessing")
         q0 = metric(murl, "nv_inference_queue_duration_us", "preprocessing")
         c0 = metric(murl, "nv_inference_count", "preprocessing")
         walls = []
@@ -80,6 +81,7 @@ def run_variant(root: Path, n: int, instances: int, delay_us: int, pairs: int) -
                 t.join()
             walls.append(time.perf_counter() - t0)
             time.sleep(0.2)
+        post1 = metric(murl, "nv_inference_queue_duration_us", "postprocessing")
         q1 = metric(murl, "nv_inference_queue_duration_us", "preprocessing")
         c1 = metric(murl, "nv_inference_count", "preprocessing")
     finally:
@@ -87,6 +89,7 @@ def run_variant(root: Path, n: int, instances: int, delay_us: int, pairs: int) -
     walls.sort()
     return {"instances": instances, "delay_us": delay_us, "requests": int(c1 - c0),
             "preprocessing_queue_ms": round((q1 - q0) / 1e3, 1),
+            "postprocessing_queue_ms": round((post1 - post0) / 1e3, 1),
             "pair_wall_p50_ms": round(walls[len(walls) // 2] * 1e3),
             "pair_wall_max_ms": round(walls[-1] * 1e3)}
 
