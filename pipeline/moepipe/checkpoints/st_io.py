@@ -19,7 +19,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -333,7 +333,7 @@ def write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-_fallocate = None
+_fallocate: Any = None  # libc fallocate once looked up; False where there is none
 
 
 def preallocate(fd: int, nbytes: int) -> bool:
