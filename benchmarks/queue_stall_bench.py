@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
+import sys
 import tempfile
 import threading
 import time
@@ -22,12 +22,6 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(url: str, name: str, model: str) -> float:
@@ -42,9 +36,12 @@ def run_variant(root: Path, n: int, instances: int, delay_us: int, pairs: int) -
     from moepipe.config import load_config
     from moepipe.deploy import server
 
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "e2e"))
+    from helpers import free_ports
+
     workdir = root / f"{n}-i{instances}-d{delay_us}"
     workdir.mkdir(parents=True)
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     data = {"model": {"example": "tiny-mixtral"}, "target": "cpu", "workdir": str(workdir),
             "parallel": {"tp": 1, "moe_ep": 1},
             "build": {"max_batch_size": 16, "max_input_len": 256, "max_seq_len": 512},

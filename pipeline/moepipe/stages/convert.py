@@ -353,7 +353,7 @@ class Scratch:
 
 
 def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointReader,
-          pool: BufferPool, scratch: Scratch | None = None) -> None:
+          pool: BufferPool, scratch: Scratch) -> None:
     """Write one chunk. Contiguous source bytes are copied by the kernel, or streamed through
     reusable block buffers when the dtype changes (converted block by block); other slices are
     read whole (at most one expert matrix) and cut in memory."""
@@ -371,7 +371,6 @@ def _emit(writer: SafetensorsWriter, chunk, dtype: DType, reader: CheckpointRead
     if region.cut is not None:  # a column slice: read the covering block, cut it in memory
         import numpy as np
 
-        scratch = scratch or Scratch()
         raw = scratch.get("block", region.nbytes)
         reader.read_bytes(region.info.file, region.offset, raw.data)
         unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[src.itemsize]
