@@ -2,6 +2,8 @@
 
 import itertools
 import os
+import subprocess
+import sys
 
 import blake3
 import pytest
@@ -56,6 +58,32 @@ def test_dtype_conversion_matches_torch_bit_for_bit():
     out = np.frombuffer(bytes(convert_bytes(memoryview(nan.view(torch.uint8).numpy()), F32,
                                             BF16)), np.uint16)
     assert torch.isnan(torch.from_numpy(out.copy()).view(torch.bfloat16).float()).all()
+
+
+def test_bf16_to_f32_is_exact_for_every_bit_pattern_with_and_without_numpy():
+    """Every bfloat16 bit pattern (NaNs and infinities included) widens to the float32 torch
+    gives, both on the small-cast path that needs no numpy and on the numpy path."""
+    from moepipe.checkpoints import st_io
+
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).repeat(3)
+    want = bits.view(torch.bfloat16).float().view(torch.uint8).numpy().tobytes()
+    raw = memoryview(bits.view(torch.uint8).numpy())
+    assert raw.nbytes > st_io._SMALL_CAST  # the whole table at once: numpy
+    assert bytes(st_io.convert_bytes(raw, BF16, F32)) == want
+    step = 4096
+    small = b"".join(bytes(st_io.convert_bytes(raw[i:i + step], BF16, F32))
+                     for i in range(0, raw.nbytes, step))
+    assert small == want
+
+
+def test_a_small_bf16_cast_does_not_import_numpy():
+    """A conversion that only copies bytes and widens a bf16 router starts without numpy."""
+    code = ("import sys; from moepipe.checkpoints.st_io import BF16, F32, convert_bytes; "
+            "out = convert_bytes(memoryview(bytes(range(256)) * 64), BF16, F32); "
+            "assert len(out) == 32768; print('numpy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("kernel_copies", [True, False])

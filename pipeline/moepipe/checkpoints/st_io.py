@@ -553,14 +553,25 @@ def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
+_SMALL_CAST = 1 << 18  # bytes: bf16 -> f32 casts up to this size are done without numpy
+
+
 def convert_bytes(data: memoryview, src: DType, dst: DType) -> memoryview:
     """Cast raw little-endian float data between float32, float16 and bfloat16 with numpy
     (bfloat16 rounding: to nearest even, as torch does), so that converting a checkpoint never
-    needs torch."""
-    import numpy as np
-
+    needs torch. A small bfloat16 -> float32 cast (a router, which TensorRT-LLM keeps in float32,
+    in a conversion that otherwise only copies bytes) is done without numpy: it is exact, and
+    importing numpy would cost more than the cast (0.12-0.24 s here)."""
     if src == dst or {src.name, dst.name} == {"U8", "I8"}:  # same bytes (packed int4)
         return data
+    if src == BF16 and dst == F32 and data.nbytes <= _SMALL_CAST:
+        raw = bytes(data)
+        wide = bytearray(2 * len(raw))  # the bf16 bits are the high half of the float32
+        wide[2::4] = raw[0::2]
+        wide[3::4] = raw[1::2]
+        return memoryview(wide)
+    import numpy as np
+
     if src == F32:
         x = np.frombuffer(data, dtype=np.float32)
     elif src == F16:
