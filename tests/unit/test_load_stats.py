@@ -264,3 +264,36 @@ def test_the_cpu_targets_latency_metrics_are_registered_for_dashboards():
         assert {f"{name}_bucket", f"{name}_sum", f"{name}_count"} <= EXPORTED["cpu"]
     assert {name for name, _ in GAUGES.values()} <= EXPORTED["cpu"]
     assert BUCKETS == sorted(BUCKETS) and BUCKETS[0] > 0
+
+
+def test_the_http_driver_stamps_when_its_request_was_written():
+    """``wrote`` lies after ``sent`` (connect included) and before the server could answer:
+    a loopback server that answers 50 ms after reading the whole request."""
+    got = {}
+
+    async def serve(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head)[1])
+        await reader.readexactly(length)
+        got["read"] = time.monotonic()
+        await asyncio.sleep(0.05)
+        event = json.dumps({"text_output": "hi", "num_output_tokens": 1}).encode()
+        chunk = b"data: " + event + b"\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n"
+                     + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        t0 = time.monotonic()
+        client = driver._HttpClient(f"127.0.0.1:{port}", "ensemble", 5.0, t0)
+        async with server:
+            return await client.send(Prompt("short", "x", 4)), t0
+
+    s, t0 = asyncio.run(main())
+    assert s.status == "ok" and s.tokens == 1
+    assert s.sent <= s.wrote <= got["read"] - t0 <= s.first
+    assert s.first - s.wrote >= 0.05  # the server's 50 ms lie between the two

@@ -58,6 +58,9 @@ class Sample:
     tokens: int = 0  # the server's num_output_tokens, summed over the streamed responses
     responses: int = 0
     error: str = ""
+    # HTTP: when the request's last byte was handed to the socket (connected, written); a
+    # load generator that starts its clock later than ``sent`` can be compared from here
+    wrote: float | None = None
 
     @property
     def latency(self) -> float | None:
@@ -249,6 +252,7 @@ class _HttpClient:
                          f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                          + body)
             await writer.drain()
+            s.wrote = self.now()
             code = int((await reader.readline()).split()[1])
             error = ""
             while line := await reader.readline():
