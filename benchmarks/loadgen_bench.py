@@ -147,13 +147,13 @@ class Sampler:
 
 def aiperf_cmd(aiperf: str, http: str, tokenizer: Path, data: Path, template: Path,
                max_tokens: int, point: tuple[str, float], arrival: str, requests: int,
-               out: Path) -> list[str]:
+               out: Path, cap: float = 1000.0, extra: tuple[str, ...] = ()) -> list[str]:
     kind, value = point
     # At a bare --concurrency AIPerf's timing manager spins (a 0-interval "concurrency burst"
     # that only yields while no slot is free: aiperf/timing/strategies/request_rate.py), 0.7
     # of a core here; capped by a 1000/s rate it checks for a free slot once a millisecond.
     load = (["--concurrency", str(int(value)), "--warmup-request-count", str(int(value)),
-             "--request-rate", "1000", "--arrival-pattern", "constant"]
+             "--request-rate", f"{cap:g}", "--arrival-pattern", "constant"]
             if kind == "concurrency" else
             ["--request-rate", f"{value:g}", "--arrival-pattern", arrival,
              "--warmup-request-count", "2"])
@@ -168,7 +168,7 @@ def aiperf_cmd(aiperf: str, http: str, tokenizer: Path, data: Path, template: Pa
             "--connection-reuse-strategy", "never",  # the driver's: a connection per request
             "--dataset-sampling-strategy", "sequential",  # every prompt equally often
             "--no-server-metrics", "--no-gpu-telemetry", "--ui-type", "none",
-            "--artifact-dir", str(out)]
+            "--artifact-dir", str(out), *extra]
 
 
 def profiling_window(folder: Path) -> tuple[float, float]:
@@ -260,7 +260,8 @@ def driver_figures(run: dict, window: tuple[float, float]) -> dict:
 
 def run_point(aiperf: str, http: int, grpc: int, tokenizer: Path, prompts: list[str],
               max_tokens: int, point: tuple[str, float], requests: int, work: Path,
-              server_pgid: int, tag: str) -> dict:
+              server_pgid: int, tag: str, cap: float = 1000.0,
+              extra: tuple[str, ...] = ()) -> dict:
     """AIPerf and the driver (HTTP) together on one load point, then the driver over gRPC
     and over HTTP together on the same load for as long (the gRPC reference column)."""
     data = work / "prompts.jsonl"
@@ -269,7 +270,7 @@ def run_point(aiperf: str, http: int, grpc: int, tokenizer: Path, prompts: list[
     template.write_text(TEMPLATE)
     out = work / f"aiperf-{point[0]}-{point[1]:g}-{tag}"
     cmd = aiperf_cmd(aiperf, f"127.0.0.1:{http}", tokenizer, data, template, max_tokens,
-                     point, "constant", requests, out)
+                     point, "constant", requests, out, cap, extra)
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)  # its own group: its whole tree
@@ -410,6 +411,11 @@ def main() -> None:
     ap.add_argument("--rates", default="2,4", help="open-loop request rates per client")
     ap.add_argument("--concurrency", default="1", help="closed-loop concurrency per client")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each point")
+    ap.add_argument("--closed-loop-cap", type=float, default=1000.0,
+                    help="AIPerf's --request-rate in the closed loop (how often it looks for a "
+                         "free slot)")
+    ap.add_argument("--aiperf-option", action="append", default=[],
+                    help="one more AIPerf argument (repeat the option for each word)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not Path(args.aiperf).exists():
@@ -457,7 +463,8 @@ def main() -> None:
             for point in points:
                 results[point].append(run_point(
                     args.aiperf, http, grpc, cfg.deploy_dir / "tokenizer", prompts,
-                    args.max_tokens, point, args.requests, work, pgid, str(i)))
+                    args.max_tokens, point, args.requests, work, pgid, str(i),
+                    args.closed_loop_cap, tuple(args.aiperf_option)))
                 load.append(loadavg())
     finally:
         server.stop(state_dir(cfg))
