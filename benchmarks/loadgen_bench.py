@@ -23,6 +23,10 @@ Compared (what both clients measure the same way): request rate, request latency
 time to first token p50/p99. Not compared: token throughput and inter-token latency (over the
 template endpoint AIPerf counts tokens by re-tokenizing the streamed text, which differs from
 the server's counts on a random-weight model). Target: every compared figure within 10%.
+TTFT is also compared from the same instant for both clients, the request written to the
+socket (see SAME_INSTANT: each client's own start lies before its connect, and AIPerf's takes
+longer to connect and write on a busy machine), with each client's time to connect and write
+("write after"); the verdict is printed for both TTFT definitions.
 
 A client that saturates a core (or takes CPU from the server on a small machine) shows up as a
 slow server, so each point also reports every client's CPU (the driver's own getrusage per
