@@ -6,21 +6,24 @@
 A first conversion that records the manifest's digests must do three things with every byte:
 hash the input file it is in (BLAKE3, ``source.blake3``), put it into the rank file (here a
 tp=1 conversion, where the bytes are unchanged), and hash the rank file (``output.blake3``).
-The two digests are of different byte streams (the rank file has its own header and order), so
-neither can be derived from the other. This script times each of the three on its own, as bare
-loops with no planning, no Python start-up and no converter around them, on the same synthetic
-checkpoint as ``convert_bench.py``, with the page cache warm:
+The two digests are of different byte streams (the rank file has its own header, and stacks
+each layer's experts in another order than the shards hold them), so neither can be derived
+from the other. This script times each on its own, as bare loops with no planning and no
+converter around them, on the same synthetic checkpoint as ``convert_bench.py``, page cache
+warm, always giving the converter the cheapest way:
 
-* ``copy``: the input's tensor bytes into one preallocated file with ``copy_file_range`` (the
-  kernel copy ``cp`` uses; the converter's path for unchanged bytes);
-* ``digest``: BLAKE3 of every input file, read in 1 MiB blocks (what the converter does for
-  each of the two digests);
+* ``copy``: the input's tensor bytes into one preallocated file, the cheaper of the kernel copy
+  (``copy_file_range``, what ``cp`` uses) and ``pread`` + ``pwrite`` through a 512 KiB buffer;
+* ``digest in``: BLAKE3 of every input file, read in 1 MiB blocks;
+* ``digest out``: BLAKE3 of the same number of bytes already in memory (as if the rank file's
+  digest were taken from the copy's buffer, with no read of its own);
+* ``start``: a Python that imports what ``moepipe convert`` needs (``moepipe.cli`` and the
+  convert stage), and exits;
 * ``cp -r`` of the same folder, just before.
 
-From these it prints the floor: the CPU seconds of copy + 2 x digest, and the shortest wall time
-those can take on this machine's cores (``max(longest single stream, total CPU / cores)``),
-as a multiple of ``cp -r``'s wall time. A converter cannot beat that figure on this machine
-however it is arranged; ``convert_bench.py`` measures what it actually takes.
+The floor is ``start + max(longest stream, CPU of the three streams / cores)``, as a multiple
+of ``cp -r``'s wall time: no arrangement of these passes on this machine's cores can beat it.
+``convert_bench.py`` measures what the converter actually takes.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_bench import make_checkpoint  # noqa: E402
 
-from moepipe.checkpoints.digest import file_digest  # noqa: E402
+from moepipe.checkpoints.digest import file_digest, new_hasher  # noqa: E402
 from moepipe.checkpoints.st_io import parse_header, preallocate  # noqa: E402
 
 
@@ -63,28 +66,54 @@ def time_cp(src: Path, dst: Path) -> tuple[float, float]:
     return wall, usage.ru_utime + usage.ru_stime
 
 
-def time_copy(files: list[Path], out: Path) -> tuple[float, float]:
-    """Every tensor's bytes, file by file in offset order, into one preallocated file."""
+def time_copy(files: list[Path], out: Path, kernel: bool) -> tuple[float, float]:
+    """Every tensor's bytes, file by file in offset order, into one preallocated file: by the
+    kernel (``copy_file_range``) or through a reused 512 KiB buffer (``pread`` + ``pwrite``)."""
     spans = []
     for f in files:
         infos = parse_header(f)
         spans += [(f, i.offset, i.nbytes) for i in sorted(infos.values(), key=lambda i: i.offset)]
     total = sum(n for _, _, n in spans)
+    view = memoryview(bytearray(512 << 10))
     c0, start = cpu_now(), time.perf_counter()
     fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     preallocate(fd, total)
     fds = {f: os.open(f, os.O_RDONLY) for f in files}
+    pos = 0
     for f, offset, nbytes in spans:
         done = 0
         while done < nbytes:
-            n = os.copy_file_range(fds[f], fd, min(nbytes - done, 8 << 20), offset + done)
+            if kernel:
+                n = os.copy_file_range(fds[f], fd, min(nbytes - done, 8 << 20), offset + done)
+            else:
+                n = os.preadv(fds[f], [view[:min(len(view), nbytes - done)]], offset + done)
+                n = os.pwrite(fd, view[:n], pos + done) if n > 0 else n
             if n <= 0:
-                sys.exit("copy_file_range copied nothing (not supported here?)")
+                sys.exit("the copy copied nothing (copy_file_range not supported here?)")
             done += n
+        pos += nbytes
     for src_fd in fds.values():
         os.close(src_fd)
     os.close(fd)
     return time.perf_counter() - start, cpu_now() - c0
+
+
+def time_hash_only(nbytes: int) -> tuple[float, float]:
+    """BLAKE3 of ``nbytes`` from a 1 MiB buffer that stays in memory (no read)."""
+    h, block = new_hasher(), memoryview(os.urandom(1 << 20))
+    c0, start = cpu_now(), time.perf_counter()
+    for _ in range(nbytes // len(block)):
+        h.update(block)
+    h.update(block[:nbytes % len(block)])
+    return time.perf_counter() - start, cpu_now() - c0
+
+
+def time_start() -> float:
+    """Wall time of a Python that imports what ``moepipe convert`` needs, and exits."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import moepipe.cli, moepipe.stages.convert"],
+                   check=True)
+    return time.perf_counter() - start
 
 
 def time_digest(files: list[Path]) -> tuple[float, float]:
@@ -112,27 +141,34 @@ def main() -> None:
     gb = sum(f.stat().st_size for f in files) / 1e9
     cores = len(os.sched_getaffinity(0))
     print(f"input: {gb:.2f} GB in {len(files)} shards; {cores} cores; page cache warm")
-    print(f"{'cp -r s':>8} {'copy s':>7} {'digest s':>9} | CPU s/GB: {'cp':>5} {'copy':>5} "
-          f"{'digest':>6} {'floor':>6} | floor wall s  floor/cp  load")
+    print(f"{'cp -r':>6} {'kernel':>6} {'buffer':>6} {'dig in':>6} {'dig out':>7} "
+          f"{'start':>5} | CPU s/GB {'cp':>4} {'copy':>4} {'in':>4} {'out':>4} {'sum':>4} | "
+          f"floor s  floor/cp  load")
     floors = []
     for _ in range(args.repeat):
         load = os.getloadavg()[0]
         warm(files)
         cp_s, cp_cpu = time_cp(src, args.workdir / "copy")
         shutil.rmtree(args.workdir / "copy")
+        copies = []
+        for kernel in (True, False):
+            warm(files)
+            copies.append(time_copy(files, args.workdir / "out.bin", kernel))
+            (args.workdir / "out.bin").unlink()
+        copy_s, copy_cpu = min(copies, key=lambda c: c[1])
         warm(files)
-        copy_s, copy_cpu = time_copy(files, args.workdir / "out.bin")
-        (args.workdir / "out.bin").unlink()
-        warm(files)
-        dig_s, dig_cpu = time_digest(files)
-        cpu = copy_cpu + 2 * dig_cpu
-        floor_s = max(copy_s, dig_s, cpu / cores)
+        in_s, in_cpu = time_digest(files)
+        out_s, out_cpu = time_hash_only(int(gb * 1e9))
+        start_s = time_start()
+        cpu = copy_cpu + in_cpu + out_cpu
+        floor_s = start_s + max(copy_s, in_s, out_s, cpu / cores)
         floors.append(floor_s / cp_s)
-        print(f"{cp_s:8.2f} {copy_s:7.2f} {dig_s:9.2f} | {'':10}{cp_cpu / gb:5.2f} "
-              f"{copy_cpu / gb:5.2f} {dig_cpu / gb:6.2f} {cpu / gb:6.2f} | {floor_s:12.2f} "
+        print(f"{cp_s:6.2f} {copies[0][0]:6.2f} {copies[1][0]:6.2f} {in_s:6.2f} {out_s:7.2f} "
+              f"{start_s:5.2f} | {'':8} {cp_cpu / gb:4.2f} {copy_cpu / gb:4.2f} "
+              f"{in_cpu / gb:4.2f} {out_cpu / gb:4.2f} {cpu / gb:4.2f} | {floor_s:7.2f} "
               f"{floor_s / cp_s:9.2f} {load:5.1f}")
     print(f"floor of a first conversion with both digests: {min(floors):.2f}-{max(floors):.2f}x "
-          f"cp -r on {cores} cores (before Python start-up and planning)")
+          f"cp -r on {cores} cores")
     if not args.keep:
         shutil.rmtree(args.workdir)
 
