@@ -205,6 +205,44 @@ def test_multinode_launch_scripts_pass_shellcheck(tmp_path):
     assert "-np 16" in cm["data"]["leader.sh"]
 
 
+@pytest.mark.parametrize(("target", "extra"), SHAPES,
+                         ids=[f"{t}-{'multinode' if e else 'single'}" for t, e in SHAPES])
+def test_serving_pods_raise_the_stack_limit_before_tritonserver(tmp_path, target, extra):
+    """A form-encoded body of a few MB must not kill a pod's server (Triton's HTTP frontend
+    parses it into stack arrays, see moepipe.deploy.server.SERVER_STACK_BYTES): the serving
+    container raises the soft stack limit, then execs tritonserver with its flags."""
+    from moepipe.deploy.k8s import RAISE_STACK
+    from moepipe.deploy.server import SERVER_STACK_BYTES
+
+    _, out = render(tmp_path, target, **extra)
+    docs = kustomize(out / "k8s")
+    kinds = by_kind(docs)
+    if extra:
+        (cm,) = kinds["ConfigMap"]
+        leader = cm["data"]["leader.sh"]
+        assert leader.index(RAISE_STACK) < leader.index("exec mpirun")
+    else:
+        (c,) = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"]
+        shell, flag, script, name, *args = c["command"]
+        assert (shell, flag, name) == ("/bin/sh", "-c", "tritonserver")
+        assert script == f'{RAISE_STACK}; exec tritonserver "$@"'
+        assert any(a.startswith("--model-repository=") for a in args)
+        path = tmp_path / "command.sh"
+        path.write_text(script + "\n")
+        # SC3045: `ulimit -S -s` is not POSIX; the images' /bin/sh (dash) and bash have it.
+        res = subprocess.run([_tool("shellcheck"), "-s", "sh", "-e", "SC3045", str(path)],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stdout
+    # The line does what it says in a POSIX shell (here the hard limit is above it).
+    shown = subprocess.run(["/bin/sh", "-c", f"{RAISE_STACK}; ulimit -S -s"], check=True,
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+    if hard == resource.RLIM_INFINITY or hard >= SERVER_STACK_BYTES:
+        assert shown == str(SERVER_STACK_BYTES >> 10)
+
+
 def test_prometheus_operator_objects(tmp_path):
     _, out = render(tmp_path)
     docs = kustomize(out / "k8s" / "prometheus-operator")

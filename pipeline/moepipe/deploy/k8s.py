@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from moepipe.deploy.server import SERVER_STACK_BYTES
 from moepipe.errors import ConfigError
 
 # Labels every object carries; the selector uses the first two.
@@ -123,6 +124,20 @@ def server_args(plan: PodPlan) -> list[str]:
             f"--exit-timeout-secs={plan.exit_timeout_s}"]
 
 
+# Triton's HTTP frontend parses a form-encoded body into stack arrays of its size (see
+# SERVER_STACK_BYTES): with a container's usual 8 MiB stacks a ~5 MB body kills the pod's server.
+# Serving pods raise the soft limit before exec'ing it, as the local server and launch.sh do;
+# best effort (a lower hard limit is kept; `ulimit -S -s` is not POSIX, but the images' shells,
+# dash and bash, have it).
+RAISE_STACK = f"ulimit -S -s {SERVER_STACK_BYTES >> 10} 2>/dev/null || true"
+
+
+def serve_command(args: list[str]) -> list[str]:
+    """A container command that raises the stack limit, then becomes ``tritonserver args``
+    (``exec``: it is still the process the kubelet signals)."""
+    return ["/bin/sh", "-c", f'{RAISE_STACK}; exec tritonserver "$@"', "tritonserver", *args]
+
+
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
             "failureThreshold": failures, "timeoutSeconds": 5}
@@ -205,7 +220,7 @@ def deployment(plan: PodPlan, replicas: int) -> dict[str, Any]:
             "template": {
                 "metadata": {"labels": labels(app, role="leader")},
                 "spec": pod_spec(plan, [container(plan, "triton",
-                                                  ["tritonserver", *server_args(plan)],
+                                                  serve_command(server_args(plan)),
                                                   serving=True)]),
             },
         },
@@ -299,6 +314,10 @@ while [ "$rank" -lt __WORLD__ ]; do
         --allow-http=false --allow-grpc=false --allow-metrics=false
     rank=$((rank + 1))
 done
+# Rank 0 (this pod) serves HTTP: the larger stack limit, see RAISE_STACK in moepipe's k8s.py
+# (`ulimit -S -s` is not POSIX, but dash, bash and busybox sh have it; elsewhere it is skipped).
+# shellcheck disable=SC3045
+__RAISE_STACK__
 echo "leader: __WORLD__ ranks on $hosts" >&2
 exec mpirun --allow-run-as-root -mca plm_rsh_agent /opt/moepipe/kubessh \\
     --host "$hosts" -np __WORLD__ "$@"
@@ -309,7 +328,8 @@ def leader_script(plan: PodPlan, shape_: Shape) -> str:
     args = shlex.join(server_args(plan))
     return (LEADER.replace("__WORLD__", str(shape_.world_size))
             .replace("__PER_NODE__", str(shape_.gpus_per_pod))
-            .replace("__WAIT_S__", str(plan.startup_s)).replace("__ARGS__", args))
+            .replace("__WAIT_S__", str(plan.startup_s)).replace("__ARGS__", args)
+            .replace("__RAISE_STACK__", RAISE_STACK))
 
 
 def rbac(name: str) -> list[dict[str, Any]]:
