@@ -26,7 +26,8 @@ the server's counts on a random-weight model). Target: every compared figure wit
 TTFT is also compared from the same instant for both clients, the request written to the
 socket (see SAME_INSTANT: each client's own start lies before its connect, and AIPerf's takes
 longer to connect and write on a busy machine), with each client's time to connect and write
-("write after"); the verdict is printed for both TTFT definitions.
+("write after"); the verdict is printed for both TTFT definitions. The p99s are also shown
+pooled over every repeat's requests (see POOLED).
 
 A client that saturates a core (or takes CPU from the server on a small machine) shows up as a
 slow server, so each point also reports every client's CPU (the driver's own getrusage per
