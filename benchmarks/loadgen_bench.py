@@ -22,12 +22,13 @@ within AIPerf's profiling window count.
 Compared (what both clients measure the same way): request rate, request latency p50/p90/p99,
 time to first token p50/p99. Not compared: token throughput and inter-token latency (over the
 template endpoint AIPerf counts tokens by re-tokenizing the streamed text, which differs from
-the server's counts on a random-weight model). Target: every compared figure within 10%.
-TTFT is also compared from the same instant for both clients, the request written to the
-socket (see SAME_INSTANT: each client's own start lies before its connect, and AIPerf's takes
-longer to connect and write on a busy machine), with each client's time to connect and write
-("write after"); the verdict is printed for both TTFT definitions. The p99s are also shown
-pooled over every repeat's requests (see POOLED).
+the server's counts on a random-weight model). Target (the issue's): request rate and request
+latency percentiles within 10% of AIPerf's; TTFT is held to the same 10% in a verdict of its
+own, printed for two definitions: from each client's own start, and from the same instant for
+both clients, the request written to the socket (see SAME_INSTANT: each client's own start lies
+before its connect, and AIPerf's takes longer to connect and write on a busy machine), with each
+client's time to connect and write ("write after"). The p99s are also shown pooled over every
+repeat's requests (see POOLED).
 
 A client that saturates a core (or takes CPU from the server on a small machine) shows up as a
 slow server, so each point also reports every client's CPU (the driver's own getrusage per
@@ -74,8 +75,8 @@ FIGURES = [("requests/s", "requests_per_s", ("request_throughput", "avg")),
 # session.request connects), but the two spend different times connecting and writing;
 # per request from AIPerf's profile_export.jsonl: time_to_first_token - http_req_sending
 # (http_req_sending runs from aiohttp's on_request_start, before the connect, to the request's
-# chunk; aiperf/transports/aiohttp_trace.py). Kept apart from FIGURES: the target verdict is
-# printed for both.
+# chunk; aiperf/transports/aiohttp_trace.py). Kept apart from FIGURES: a TTFT verdict is
+# printed for each TTFT definition.
 SAME_INSTANT = [("TTFT after write p50 ms", "ttft_after_write_ms.p50", ("ttft_after_write", "p50")),
                 ("TTFT after write p99 ms", "ttft_after_write_ms.p99", ("ttft_after_write", "p99")),
                 # not compared: each client's own time to connect and write (its overhead)
@@ -513,8 +514,9 @@ def report(args, points: list, results: dict, load: list[float]) -> None:
           "driver's own repeats")
     print(f"{'point (per client)':<18} | {'figure':<22} | {'moepipe':>8} | {'aiperf':>8} | "
           f"{'ratio [range]':<19} | spread | {'gRPC':>8}")
-    worst, rows = {"own": 0.0, "same": 0.0}, []
+    worst, rows = {"target": 0.0, "own": 0.0, "same": 0.0}, []
     own_ttft = {"TTFT p50 ms", "TTFT p99 ms"}
+    target = {name for name, _, _ in FIGURES} - own_ttft  # request rate and latency
     fmt = lambda v: "-" if v is None else f"{v:8.2f}"  # noqa: E731
     for point in points:
         point_rows = compare(point, results[point])
@@ -526,8 +528,9 @@ def report(args, points: list, results: dict, load: list[float]) -> None:
             print(f"{r['point']:<18} | {r['figure']:<22} | {fmt(r['moepipe'])} | "
                   f"{fmt(r['aiperf'])} | {ratio:<19} | {spread:>6} | {fmt(r['moepipe_grpc'])}")
             if r["ratio"] is not None and not r.get("pooled"):
-                for verdict, skip in (("own", COMPARED_SAME_INSTANT), ("same", own_ttft)):
-                    if r["figure"] not in skip:
+                for verdict, figures in (("target", target), ("own", own_ttft),
+                                         ("same", COMPARED_SAME_INSTANT)):
+                    if r["figure"] in figures:
                         worst[verdict] = max(worst[verdict], abs(r["ratio"] - 1))
         for shared in (run["shared"] for run in results[point]):
             busiest = sorted(shared["aiperf_cores_by_process"].items(), key=lambda kv: -kv[1])
@@ -536,9 +539,10 @@ def report(args, points: list, results: dict, load: list[float]) -> None:
                   f"{shared['other_cores']:.2f} cores; AIPerf request to nearest driver "
                   f"request: median {shared['gap_ms']:.1f} ms; AIPerf by process (cores): "
                   + ", ".join(f"{n} {c:.2f}" for n, c in busiest[:3]))
-    for verdict, what in (("own", "TTFT from each client's own start"),
-                          ("same", "TTFT after the request was written")):
-        print(f"target (every compared figure within 10% of AIPerf's; {what}): "
+    for verdict, what in (("target", "target: request rate and latency p50/p90/p99"),
+                          ("own", "TTFT p50/p99 from each client's own start"),
+                          ("same", "TTFT p50/p99 after the request was written")):
+        print(f"{what} within 10% of AIPerf's at every point: "
               f"{'MET' if worst[verdict] <= 0.10 else 'NOT MET'} "
               f"(largest difference {worst[verdict]:.1%})")
     if args.json:
