@@ -70,15 +70,34 @@ def time_cp(src: Path, dst: Path) -> tuple[float, float]:
     return wall, usage.ru_utime + usage.ru_stime
 
 
-def time_copy(files: list[Path], out: Path, kernel: bool) -> tuple[float, float]:
-    """Every tensor's bytes, file by file in offset order, into one preallocated file: by the
-    kernel (``copy_file_range``) or through a reused 512 KiB buffer (``pread`` + ``pwrite``)."""
+def tensor_spans(files: list[Path]) -> tuple[list[tuple[Path, int, int]], int]:
+    """(file, offset, bytes) of every tensor, file by file in offset order; and their total."""
     spans = []
     for f in files:
         infos = parse_header(f)
         spans += [(f, i.offset, i.nbytes) for i in sorted(infos.values(), key=lambda i: i.offset)]
-    total = sum(n for _, _, n in spans)
-    view = memoryview(bytearray(512 << 10))
+    return spans, sum(n for _, _, n in spans)
+
+
+def copy_step(src: int, dst: int, offset: int, want: int, pos: int,
+              view: memoryview | None) -> int:
+    """Copy up to ``want`` bytes at ``offset`` of ``src`` to ``pos`` of ``dst``: by the kernel
+    (``view`` None; 8 MiB at most) or through ``view``; returns the bytes copied."""
+    if view is None:
+        n = os.copy_file_range(src, dst, min(want, 8 << 20), offset)
+    else:
+        n = os.preadv(src, [view[:min(len(view), want)]], offset)
+        n = os.pwrite(dst, view[:n], pos) if n > 0 else n
+    if n <= 0:
+        sys.exit("the copy copied nothing (copy_file_range not supported here?)")
+    return n
+
+
+def time_copy(files: list[Path], out: Path, kernel: bool) -> tuple[float, float]:
+    """Every tensor's bytes into one preallocated file: by the kernel (``copy_file_range``) or
+    through a reused 512 KiB buffer (``pread`` + ``pwrite``)."""
+    spans, total = tensor_spans(files)
+    view = None if kernel else memoryview(bytearray(512 << 10))
     c0, start = cpu_now(), time.perf_counter()
     fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     preallocate(fd, total)
@@ -87,14 +106,7 @@ def time_copy(files: list[Path], out: Path, kernel: bool) -> tuple[float, float]
     for f, offset, nbytes in spans:
         done = 0
         while done < nbytes:
-            if kernel:
-                n = os.copy_file_range(fds[f], fd, min(nbytes - done, 8 << 20), offset + done)
-            else:
-                n = os.preadv(fds[f], [view[:min(len(view), nbytes - done)]], offset + done)
-                n = os.pwrite(fd, view[:n], pos + done) if n > 0 else n
-            if n <= 0:
-                sys.exit("the copy copied nothing (copy_file_range not supported here?)")
-            done += n
+            done += copy_step(fds[f], fd, offset + done, nbytes - done, pos + done, view)
         pos += nbytes
     for src_fd in fds.values():
         os.close(src_fd)
@@ -107,11 +119,7 @@ def time_together(files: list[Path], out: Path, kernel: bool) -> tuple[float, fl
     digest on one thread; the copy on this one, its output digest on a third - read back
     behind the kernel copy (the converter's way), or taken from the 512 KiB buffer just written
     (``kernel=False``)."""
-    spans = []
-    for f in files:
-        infos = parse_header(f)
-        spans += [(f, i.offset, i.nbytes) for i in sorted(infos.values(), key=lambda i: i.offset)]
-    total = sum(n for _, _, n in spans)
+    spans, total = tensor_spans(files)
     ring: queue.SimpleQueue = queue.SimpleQueue()  # buffers free to fill
     done: queue.SimpleQueue = queue.SimpleQueue()  # (buffer or None, bytes) written, to hash
     for _ in range(8):
@@ -143,16 +151,10 @@ def time_together(files: list[Path], out: Path, kernel: bool) -> tuple[float, fl
     for f, offset, nbytes in spans:
         copied = 0
         while copied < nbytes:
-            if kernel:
-                n = os.copy_file_range(fds[f], fd, min(nbytes - copied, 8 << 20),
-                                       offset + copied)
-                done.put((None, n))
-            else:
-                buf = ring.get()
-                view = memoryview(buf)
-                n = os.preadv(fds[f], [view[:min(len(view), nbytes - copied)]], offset + copied)
-                os.pwrite(fd, view[:n], pos + copied)
-                done.put((buf, n))
+            buf = None if kernel else ring.get()
+            n = copy_step(fds[f], fd, offset + copied, nbytes - copied, pos + copied,
+                          None if buf is None else memoryview(buf))
+            done.put((buf, n))
             copied += n
         pos += nbytes
     done.put((None, 0))
