@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert_bench import make_checkpoint  # noqa: E402
+from convert_bench import make_checkpoint, timed  # noqa: E402
 
 from moepipe.checkpoints.digest import file_digest, new_hasher  # noqa: E402
 from moepipe.checkpoints.st_io import parse_header, preallocate  # noqa: E402
@@ -58,16 +58,6 @@ def warm(files: list[Path]) -> None:
     for f in files:
         f.read_bytes()
     subprocess.run(["sync"], check=True)
-
-
-def time_cp(src: Path, dst: Path) -> tuple[float, float]:
-    start = time.perf_counter()
-    proc = subprocess.Popen(["cp", "-r", str(src), str(dst)])
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit("cp -r failed")
-    return wall, usage.ru_utime + usage.ru_stime
 
 
 def tensor_spans(files: list[Path]) -> tuple[list[tuple[Path, int, int]], int]:
@@ -217,7 +207,7 @@ def main() -> None:
     for _ in range(args.repeat):
         load = os.getloadavg()[0]
         warm(files)
-        cp_s, cp_cpu = time_cp(src, args.workdir / "copy")
+        cp_s, cp_cpu, _ = timed(["cp", "-r", str(src), str(args.workdir / "copy")])
         shutil.rmtree(args.workdir / "copy")
         copies = []
         for kernel in (True, False):

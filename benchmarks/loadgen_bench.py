@@ -52,6 +52,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -371,10 +372,6 @@ def aiperf_figure(export: dict, key: tuple[str, str]) -> float | None:
     return None if value is None else float(value)
 
 
-def loadavg() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
-
-
 def figures(kind: str, run: dict) -> dict[str, float | None]:
     """The compared figures and the client CPU of one client's run."""
     from moepipe.validate.stats import figure
@@ -426,11 +423,9 @@ def compare(point: tuple[str, float], runs: list[dict]) -> list[dict]:
 
 
 def median(values: list) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    """The median of the values that are there (None: a figure a run did not produce)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def main() -> None:
@@ -486,7 +481,7 @@ def main() -> None:
         print(f"--requests rounded up to {args.requests} (a multiple of {len(prompts)} "
               "prompts)", flush=True)
     results: dict[tuple[str, float], list[dict]] = {p: [] for p in points}
-    load = [loadavg()]
+    load = [os.getloadavg()[0]]
     try:
         for url, protocol in ((f"127.0.0.1:{http}", "http"), (f"127.0.0.1:{grpc}", "grpc")):
             run_load(LoadPlan(url, [Prompt("short", p, args.max_tokens) for p in prompts],
@@ -497,7 +492,7 @@ def main() -> None:
                     args.aiperf, http, grpc, cfg.deploy_dir / "tokenizer", prompts,
                     args.max_tokens, point, args.requests, work, pgid, str(i),
                     args.closed_loop_cap, tuple(args.aiperf_option)))
-                load.append(loadavg())
+                load.append(os.getloadavg()[0])
     finally:
         server.stop(state_dir(cfg))
     report(args, points, results, load)
