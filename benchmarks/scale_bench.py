@@ -24,8 +24,8 @@ import numpy as np
 
 from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.checkpoints.st_io import BF16, SafetensorsWriter
+from moepipe.mapping import Mapping
 from moepipe.stages.convert import convert_checkpoint, plan_conversion, unmapped_tensors
-from moepipe.trtllm.mapping import Mapping
 
 LAYERS, HIDDEN, INTER, HEADS, KV, HEAD_DIM, VOCAB = 61, 64, 32, 4, 2, 16, 512
 SCALES = {"1x": 16, "4x": 64, "16x": 256}

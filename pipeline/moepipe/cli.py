@@ -240,10 +240,9 @@ def balance_cmd(metrics: str | None = typer.Option(None, "--metrics", help="A de
 
     if moe_ep is None or (metrics is None and counts is None):
         from moepipe.config import load_config
-        from moepipe.trtllm.mapping import Mapping
 
         cfg = load_config(config)
-        moe_ep = moe_ep or Mapping.of(cfg.parallel).moe_ep
+        moe_ep = moe_ep or cfg.parallel.to_mapping().moe_ep
         if metrics is None and counts is None:
             metrics = f"http://{cfg.deploy.host}:{cfg.deploy.metrics_port}/metrics"
     placement = run_balance(metrics, counts, moe_ep, slots, out)

@@ -21,7 +21,8 @@ from pydantic import (
     model_validator,
 )
 
-from moepipe.errors import ConfigError
+from moepipe.errors import ConfigError, MappingError
+from moepipe.mapping import Mapping
 from moepipe.utils.strictyaml import check_strict_scalar, decode_utf8, load_yaml
 
 DEFAULT_CONFIG = "moepipe.yaml"
@@ -76,6 +77,11 @@ class ParallelSection(Section):
     attention_dp: bool = Field(False, description="trtllm-pytorch: attention data parallelism "
                                "(LLM API enable_attention_dp): attention weights replicated, "
                                "each of the tp ranks serves its own requests; needs tp > 1.")
+
+    def to_mapping(self) -> Mapping:
+        """The rank arithmetic of this section, unset MoE sizes resolved as TensorRT-LLM does
+        (the one place a config becomes a :class:`~moepipe.mapping.Mapping`)."""
+        return Mapping.create(tp=self.tp, pp=self.pp, moe_tp=self.moe_tp, moe_ep=self.moe_ep)
 
 
 class ConvertSection(Section):
@@ -522,7 +528,10 @@ class MoepipeConfig(Section):
             raise ValueError("parallel.attention_dp needs tp >= 2 (the attention data-parallel "
                              "ranks are the tp ranks)")
         if t.expert_placement is not None:
-            ep = p.moe_ep or 1
+            try:
+                ep = p.to_mapping().moe_ep  # tp: 4, moe_tp: 1 is moe_ep 4, unset or not
+            except MappingError as e:
+                raise ValueError(str(e)) from None
             if self.target != "trtllm-pytorch" or not p.attention_dp or ep < 2 \
                     or t.moe_backend != "WIDEEP":
                 raise ValueError("deploy.trtllm.expert_placement is TensorRT-LLM's MoE load "

@@ -27,6 +27,7 @@ from moepipe.errors import (
     MoepipeError,
     UnsupportedError,
 )
+from moepipe.mapping import Mapping
 from moepipe.stages.convert import convert
 from moepipe.stages.engine import build_engine_into
 from moepipe.trtllm.engine import (
@@ -37,7 +38,6 @@ from moepipe.trtllm.engine import (
     rank_params,
     trtllm_build_command,
 )
-from moepipe.trtllm.mapping import Mapping
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
 from moepipe.utils.fs import atomic_dir, read_json
 

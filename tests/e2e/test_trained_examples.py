@@ -29,8 +29,8 @@ def _digests(folder):
 def test_trained_mixtral_talks_and_its_conversion_matches_transformers(trained_mixtral, tmp_path):
     from moepipe.arch.hf import open_hf_checkpoint
     from moepipe.examples.trained import training_text
+    from moepipe.mapping import Mapping
     from moepipe.stages.convert import convert_into
-    from moepipe.trtllm.mapping import Mapping
     from moepipe.validate.parity import check_parity
 
     ckpt = tmp_path / "checkpoint"

@@ -202,6 +202,17 @@ def test_config_refuses_a_placement_tensorrt_llm_would_not_run(tmp_path, over, m
         _config(tmp_path, tmp_path, **over)
 
 
+def test_config_takes_a_placement_whose_expert_parallelism_is_derived(tmp_path):
+    """``tp: 4, moe_tp: 1`` is moe_ep 4 (TensorRT-LLM derives it): the load balancer's
+    placement is accepted as with ``moe_ep: 4`` written out, and both resolve alike."""
+    derived = _config(tmp_path, tmp_path, parallel={"tp": 4, "moe_tp": 1, "attention_dp": True})
+    spelled = _config(tmp_path, tmp_path, parallel={"tp": 4, "moe_ep": 4, "attention_dp": True})
+    assert derived.parallel.to_mapping() == spelled.parallel.to_mapping()
+    assert derived.parallel.to_mapping().moe_ep == 4
+    with pytest.raises(MoepipeError, match="moe_ep >= 2"):  # moe_tp: 4 leaves moe_ep 1
+        _config(tmp_path, tmp_path, parallel={"tp": 4, "moe_tp": 4, "attention_dp": True})
+
+
 def test_cli_balance_from_a_counts_file(tmp_path, capsys):
     from moepipe.cli import main
 

@@ -10,8 +10,8 @@ from moepipe.arch import get_family
 from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.examples import family_examples
+from moepipe.mapping import Mapping
 from moepipe.stages.convert import plan_conversion, unmapped_tensors
-from moepipe.trtllm.mapping import Mapping
 
 FAMILIES = list(family_examples().values())  # one example per registered family
 

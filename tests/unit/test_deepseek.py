@@ -237,8 +237,8 @@ def test_engine_kv_estimate_counts_one_latent_per_token_and_layer(tmp_path):
     replicated over tp (planner-deepseek-facts A1), not 2 x heads x head_dim."""
     from moepipe.config import parse_config
     from moepipe.examples import example_spec
+    from moepipe.mapping import Mapping
     from moepipe.trtllm.engine import engine_memory
-    from moepipe.trtllm.mapping import Mapping
 
     data = {"model": {"example": "tiny-deepseek-v2"}, "target": "trtllm-engine",
             "build": {"max_batch_size": 2, "max_input_len": 64, "max_seq_len": 128},
@@ -252,7 +252,7 @@ def test_engine_kv_estimate_counts_one_latent_per_token_and_layer(tmp_path):
 
 def test_dense_layers_must_split_evenly():
     from moepipe.examples import example_spec
-    from moepipe.trtllm.mapping import Mapping, mapping_problems
+    from moepipe.mapping import Mapping, mapping_problems
 
     spec = example_spec("tiny-deepseek-v2")  # dense intermediate 96
     assert not mapping_problems(spec, Mapping.create(tp=4))
@@ -284,10 +284,10 @@ def test_full_width_deepseek_v3_plans_to_the_planners_bytes():
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     from moepipe.arch import get_family
+    from moepipe.mapping import Mapping
     from moepipe.planner.shapes import model_shape
     from moepipe.planner.weights import Sharding, stage_weight_bytes
     from moepipe.stages.convert import plan_conversion
-    from moepipe.trtllm.mapping import Mapping
 
     path = Path(__file__).parents[2] / "pipeline/moepipe/planner/configs/deepseek-v3.json"
     cfg = {**json.loads(path.read_text()), "num_hidden_layers": 5}

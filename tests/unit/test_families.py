@@ -11,8 +11,8 @@ from moepipe.arch import get_family
 from moepipe.arch.targets import check_target
 from moepipe.config import parse_config
 from moepipe.errors import UnsupportedError
+from moepipe.mapping import Mapping
 from moepipe.stages.convert import plan_conversion, unmapped_tensors
-from moepipe.trtllm.mapping import Mapping
 
 # allenai/OLMoE-1B-7B-0924 config.json (the fields that shape tensors)
 OLMOE_1B_7B = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,

@@ -1,5 +1,6 @@
 """The structure stays as drawn: the layers of pyproject.toml's import-linter contract hold, and
-no module of the package imports itself back through others (function-level imports count)."""
+no module of the package imports itself back through others (imports inside functions and
+TYPE_CHECKING blocks count: an annotation is a dependency too)."""
 
 import subprocess
 import sys
@@ -55,3 +56,9 @@ def _cycles(graph) -> list[list[str]]:
 def test_no_import_cycles():
     graph = grimp.build_graph("moepipe", exclude_type_checking_imports=True)
     assert _cycles(graph) == []
+
+
+def test_the_contract_counts_type_checking_imports():
+    """An import under ``if TYPE_CHECKING:`` is part of the structure the contract holds."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert "\nexclude_type_checking_imports = false\n" in text

@@ -4,7 +4,7 @@ import pytest
 
 from moepipe.arch import get_family
 from moepipe.errors import MappingError
-from moepipe.trtllm.mapping import Mapping, legal_mappings, mapping_problems, stage_layers
+from moepipe.mapping import Mapping, legal_mappings, mapping_problems, stage_layers
 
 
 def test_moe_sizes_default_and_derive():

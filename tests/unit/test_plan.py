@@ -12,6 +12,7 @@ from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.errors import MoepipeError
 from moepipe.examples import family_examples
+from moepipe.mapping import legal_mappings
 from moepipe.planner.aic import TASK_FIELDS, aiconfigurator_task, write_aiconfigurator
 from moepipe.planner.estimate import Workload, kv_bytes_per_token
 from moepipe.planner.hardware import parse_cluster
@@ -19,7 +20,6 @@ from moepipe.planner.plan import PUBLISHED, load_model, make_plan
 from moepipe.planner.shapes import READERS, model_shape
 from moepipe.planner.weights import Sharding, model_bytes, stage_weight_bytes
 from moepipe.stages.convert import plan_conversion
-from moepipe.trtllm.mapping import legal_mappings
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
 

@@ -169,8 +169,8 @@ def test_converted_routing_equals_the_hugging_face_routing(arch):
     cannot express the router) routes every registered family as its Hugging Face config does."""
     from moepipe.arch import get_family
     from moepipe.examples import EXAMPLES, family_examples
+    from moepipe.mapping import Mapping
     from moepipe.trtllm.checkpoint_config import build_config
-    from moepipe.trtllm.mapping import Mapping
 
     example = EXAMPLES[family_examples()[arch]]
     hf_config = getattr(transformers, example.config_class)(**example.config).to_dict()

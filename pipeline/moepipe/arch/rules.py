@@ -32,7 +32,7 @@ from moepipe.checkpoints.st_io import F32, DType
 if TYPE_CHECKING:
 
     from moepipe.arch.spec import ModelSpec
-    from moepipe.trtllm.mapping import Mapping
+    from moepipe.mapping import Mapping
 
 
 @dataclass(frozen=True)

@@ -42,14 +42,13 @@ def pod_memory(cfg: MoepipeConfig, model: Path) -> int | None:
     from moepipe.planner.plan import load_model
     from moepipe.planner.pods import pod_memory_mib
     from moepipe.planner.weights import Sharding
-    from moepipe.trtllm.mapping import Mapping
 
     try:
         shape_ = load_model(model)
     except MoepipeError:
         return None
     p, b = cfg.parallel, cfg.build
-    m = Mapping.create(tp=p.tp, pp=p.pp, moe_tp=p.moe_tp, moe_ep=p.moe_ep)
+    m = p.to_mapping()
     sharding = Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep, p.attention_dp)
     gpus = shape(cfg.target, m.world_size, cfg.deploy.k8s.gpus_per_node).gpus_per_pod
     return pod_memory_mib(shape_, sharding, cfg.target, fmt=cfg.quantize.format,

@@ -30,7 +30,6 @@ from pathlib import Path
 from moepipe import __version__
 from moepipe.config import MoepipeConfig
 from moepipe.deploy import grafana, k8s, monitoring
-from moepipe.trtllm.mapping import Mapping
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
 MIB = 1 << 20
@@ -81,8 +80,7 @@ def python_instances(cfg: MoepipeConfig) -> int:
 
 def plan(cfg: MoepipeConfig, art) -> tuple[k8s.PodPlan, k8s.Shape]:
     kc, d = cfg.deploy.k8s, cfg.deploy
-    p = cfg.parallel
-    world = Mapping.create(tp=p.tp, pp=p.pp, moe_tp=p.moe_tp, moe_ep=p.moe_ep).world_size
+    world = cfg.parallel.to_mapping().world_size
     shape = k8s.shape(cfg.target, world, kc.gpus_per_node)
     memory = (math.ceil(kc.memory_gib * 1024) if kc.memory_gib
               else getattr(art, "pod_memory_mib", None)

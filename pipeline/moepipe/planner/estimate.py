@@ -31,9 +31,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from moepipe.mapping import stage_layers
 from moepipe.planner.hardware import Cluster
 from moepipe.planner.shapes import ModelShape
-from moepipe.planner.weights import Sharding, stage_layers, stage_weight_bytes
+from moepipe.planner.weights import Sharding, stage_weight_bytes
 from moepipe.trtllm.engine import (
     ACTIVATION_COEFF,
     ACTIVATION_MIN,

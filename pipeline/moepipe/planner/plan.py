@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from moepipe.errors import ConfigError
+from moepipe.mapping import legal_mappings
 from moepipe.planner.estimate import Estimate, Workload, estimate
 from moepipe.planner.hardware import Cluster
 from moepipe.planner.shapes import ModelShape, model_shape
 from moepipe.planner.weights import FORMATS, Sharding, model_bytes
-from moepipe.trtllm.mapping import Mapping, mapping_problems
 
 # Published config.json files shipped with moepipe (plan without downloading anything):
 # mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, deepseek-ai/DeepSeek-V3
@@ -35,7 +35,6 @@ HF_IDS = {"Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1", "Qwen3-30B-A3B": "Qwen/
           "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B", "DeepSeek-V3": "deepseek-ai/DeepSeek-V3"}
 GOALS = ("throughput", "latency")
 TARGETS = ("cpu", "trtllm-engine", "trtllm-pytorch")
-SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONVERT_BASE = 150 << 20  # moepipe.preflight.CONVERT_BASE
 CONVERT_BLOCKS = 16 << 20  # 16 blocks of 1 MiB in flight
 
@@ -86,25 +85,11 @@ def load_model(source: str | Path) -> ModelShape:
 def candidates(model: ModelShape, max_world: int, target: str) -> list[Sharding]:
     """Legal shardings with at most ``max_world`` GPUs (powers of two, as ``inspect``)."""
     out = []
-    sizes = [s for s in SIZES if s <= max_world]
-    for tp in sizes:
-        for pp in sizes:
-            if tp * pp > max_world:
-                continue
-            for ep in sizes:
-                if tp % ep:
-                    continue
-                m = Mapping.create(tp=tp, pp=pp, moe_ep=ep)
-                if mapping_problems(model, m) or _dense_problem(model, m):
-                    continue
-                out.append(Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep))
-                if target == "trtllm-pytorch" and tp > 1:
-                    out.append(Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep, attention_dp=True))
+    for m in legal_mappings(model, max_world):
+        out.append(Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep))
+        if target == "trtllm-pytorch" and m.tp > 1:
+            out.append(Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep, attention_dp=True))
     return out
-
-
-def _dense_problem(model: ModelShape, m: Mapping) -> bool:
-    return bool(model.dense_layers) and model.dense_intermediate_size % m.tp != 0
 
 
 def host_memory(model: ModelShape) -> dict[str, int]:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 
+from moepipe.mapping import stage_layers
 from moepipe.planner.estimate import kv_bytes_per_token
 from moepipe.planner.shapes import ModelShape
-from moepipe.planner.weights import Sharding, stage_layers, stage_weight_bytes
+from moepipe.planner.weights import Sharding, stage_weight_bytes
 
 GIB = 1 << 30
 CPU_HEADROOM = 1.25

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from moepipe.errors import ConfigError
+from moepipe.mapping import stage_layers
 from moepipe.planner.shapes import DTYPE_BYTES, ModelShape, Tensor
 
 FORMATS = ("none", "fp8", "fp8_block", "int4_awq", "w4a8_awq", "int8_sq", "nvfp4")
@@ -113,12 +114,6 @@ def tensor_bytes(t: Tensor, count: int, shape: tuple[int, ...], fmt: str, dtype:
         return count * (elems // 2 + elems // NVFP4_BLOCK + 8)
     raise ConfigError(f"quantization format '{fmt}' is unknown",
                       f"choose one of {', '.join(FORMATS)}")
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    base, extra = divmod(num_layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
 
 
 def stage_weight_bytes(model: ModelShape, s: Sharding, stage: int, fmt: str,

@@ -13,8 +13,8 @@ from moepipe.arch import get_family_for_trtllm
 from moepipe.arch.family import Family, RuntimeFacts
 from moepipe.checkpoints.st_io import load_file
 from moepipe.errors import CheckpointError, UnsupportedError
+from moepipe.mapping import Mapping
 from moepipe.runtime.routing import RoutingSpec
-from moepipe.trtllm.mapping import Mapping
 from moepipe.utils.fs import read_json
 
 

@@ -19,6 +19,7 @@ from functools import partial
 import torch
 
 from moepipe.errors import CheckpointError
+from moepipe.mapping import stage_layers
 from moepipe.quant import dequant
 from moepipe.quant.dequant import ActQuant
 from moepipe.runtime import mla
@@ -27,7 +28,6 @@ from moepipe.runtime.attention_ext import attend, projection_qk_norm, window_mas
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
 from moepipe.runtime.moe import experts_dense, experts_sparse, shared_expert
 from moepipe.runtime.routing import RouteFn, route_op
-from moepipe.trtllm.mapping import stage_layers
 
 # MoE strategy by work size (multiply-adds of a layer's experts on this batch): all experts
 # densely, zero-weighting the unselected, while that is cheap (tiny models, decode steps);

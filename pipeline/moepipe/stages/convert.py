@@ -43,11 +43,11 @@ from moepipe.checkpoints.st_io import (
 )
 from moepipe.config import MoepipeConfig
 from moepipe.errors import CheckpointError, ConfigError
+from moepipe.mapping import Mapping, check_mapping
 from moepipe.quant.trtllm import quantized_rules
 from moepipe.stages.base import BuildContext, Stage, gib
 from moepipe.stages.integrity import STAGE_FILE
 from moepipe.trtllm.checkpoint_config import build_config, quantization_block
-from moepipe.trtllm.mapping import Mapping, check_mapping
 from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
 from moepipe.utils.fs import atomic_dir
 
@@ -422,13 +422,13 @@ def convert_memory(source: Path | None, mapping: Mapping) -> int:
 
 # -- the stage ---------------------------------------------------------------------------------
 def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
-    m = Mapping.of(cfg.parallel)
+    m = cfg.parallel.to_mapping()
     return {"tp": m.tp, "pp": m.pp, "moe_tp": m.moe_tp, "moe_ep": m.moe_ep,
             "dtype": cfg.model.dtype}
 
 
 def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
-    res = convert_into(open_hf_checkpoint(ctx.model_dir), out, Mapping.of(ctx.cfg.parallel),
+    res = convert_into(open_hf_checkpoint(ctx.model_dir), out, ctx.cfg.parallel.to_mapping(),
                        dtype=ctx.cfg.model.dtype, workers=ctx.cfg.convert.workers,
                        progress=ctx.step)
     world = res.plan.mapping.world_size
@@ -455,7 +455,7 @@ def _memory(ctx: BuildContext) -> int:
         source: Path | None = ctx.model_dir
     except KeyError:
         source = None
-    return convert_memory(source, Mapping.of(ctx.cfg.parallel))
+    return convert_memory(source, ctx.cfg.parallel.to_mapping())
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

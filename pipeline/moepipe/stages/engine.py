@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moepipe.errors import CheckpointError, EnvironmentMissing, MoepipeError
+from moepipe.mapping import Mapping
 from moepipe.stages.base import BuildContext, Stage, gib
 from moepipe.stages.source import source_spec
 from moepipe.trtllm.engine import (
@@ -32,7 +33,6 @@ from moepipe.trtllm.engine import (
     model_params,
     trtllm_build_command,
 )
-from moepipe.trtllm.mapping import Mapping
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
 from moepipe.utils.fs import read_json, tail_lines
 
@@ -166,7 +166,7 @@ def _inputs(ctx: BuildContext):
     per_param = _FORMAT_BYTES.get(cfg.quantize.format, _DTYPE_BYTES.get(dtype, 2))
     weight_bytes = int(model_params(spec) * per_param)
     kv_bytes = 1 if cfg.quantize.kv_cache != "none" else _DTYPE_BYTES.get(dtype, 2)
-    return spec, Mapping.of(cfg.parallel), weight_bytes, kv_bytes
+    return spec, cfg.parallel.to_mapping(), weight_bytes, kv_bytes
 
 
 def _preflight(ctx: BuildContext) -> None:

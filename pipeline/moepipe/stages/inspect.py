@@ -15,8 +15,8 @@ from moepipe.arch.targets import check_target
 from moepipe.checkpoints.mxfp4 import BLOCKS, SCALES
 from moepipe.checkpoints.st_io import CheckpointReader
 from moepipe.config import MoepipeConfig
+from moepipe.mapping import check_mapping, legal_mappings
 from moepipe.stages.base import BuildContext, Stage
-from moepipe.trtllm.mapping import Mapping, check_mapping, legal_mappings
 
 
 @dataclass
@@ -136,7 +136,7 @@ def _bytes(n: int) -> str:
 
 # -- the stage ---------------------------------------------------------------------------------
 def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
-    m = Mapping.of(cfg.parallel)  # inspect checks that the model can be split this way
+    m = cfg.parallel.to_mapping()  # inspect checks that the model can be split this way
     return {"tp": m.tp, "pp": m.pp, "moe_tp": m.moe_tp, "moe_ep": m.moe_ep}
 
 
@@ -145,7 +145,7 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
     result = inspect_checkpoint(source)
     spec = open_hf_checkpoint(source).spec
     check_target(get_family(result.data["architecture"]), ctx.cfg.target, spec)
-    check_mapping(spec, Mapping.of(ctx.cfg.parallel))
+    check_mapping(spec, ctx.cfg.parallel.to_mapping())
     data = {k: v for k, v in result.data.items() if k != "path"}  # same input, same bytes
     (out / "inspect.json").write_text(json.dumps(data, indent=2) + "\n")
     ctx.echo(format_inspection(result.data))

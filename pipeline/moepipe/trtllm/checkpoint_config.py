@@ -12,7 +12,7 @@ from moepipe import __version__
 from moepipe.arch.family import Family, Fixed
 from moepipe.arch.spec import ModelSpec
 from moepipe.checkpoints.modelopt import AWQ, SQ, QuantInfo
-from moepipe.trtllm.mapping import Mapping
+from moepipe.mapping import Mapping
 
 
 def quant_block(quant_algo: str | None = None, kv_cache_quant_algo: str | None = None,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from moepipe.arch.mla import DeepseekSpec
 from moepipe.errors import CheckpointError, ConfigError, EnvironmentMissing, UnsupportedError
-from moepipe.trtllm.mapping import Mapping, check_mapping, stage_layers
+from moepipe.mapping import Mapping, check_mapping, stage_layers
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
 from moepipe.utils.fs import read_json
 

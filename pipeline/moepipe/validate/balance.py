@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moepipe.config import MoepipeConfig
 from moepipe.deploy.metric_names import expert_token_counts
 from moepipe.validate.load import run_load
 from moepipe.validate.loadjobs import plan, prompts_for
@@ -88,16 +87,6 @@ def by_rank(m: np.ndarray, ep: int) -> np.ndarray:
     return m.reshape(layers, ep, experts // ep).sum(axis=2)
 
 
-def moe_ep(cfg: MoepipeConfig) -> int:
-    """The mapping's expert-parallel size (TensorRT-LLM's defaults when unset)."""
-    p = cfg.parallel
-    if p.moe_ep is not None:
-        return p.moe_ep
-    if p.moe_tp is not None:
-        return max(1, p.tp // p.moe_tp)
-    return 1
-
-
 def balance(ctx: JobContext) -> JobResult:
     """Expert load per layer and per EP rank from the counters, over the job's own traffic."""
     ep, cfg = ctx.endpoint, ctx.cfg
@@ -130,7 +119,7 @@ def balance(ctx: JobContext) -> JobResult:
     if job.run("traffic", traffic).status != "passed":
         return job
     m = load_matrix(state["before"], state["after"])
-    ep_size = moe_ep(cfg)
+    ep_size = cfg.parallel.to_mapping().moe_ep
     ranks = by_rank(m, ep_size)
     layers = [imbalance(row) for row in m]
     rank_stats = [imbalance(row) for row in ranks]

@@ -22,7 +22,7 @@ optional_parameters             ``deploy.trtllm`` max_tokens_in_paged_kv_cache,
                                 each when set, nothing when None (TensorRT-LLM's default)
 exclude_input_in_output         ``deploy.exclude_input_in_output``
 deploy_dir                      ``cfg.deploy_dir`` (launch.sh serves ``<deploy_dir>/model_repo``)
-world_size, tp_size, pp_size    ``parallel`` resolved by :class:`moepipe.trtllm.mapping.Mapping`;
+world_size, tp_size, pp_size    ``parallel`` resolved by :class:`moepipe.mapping.Mapping`;
                                 world_size = tp x pp
 host, http_port, grpc_port,     ``deploy.<same name>``
 metrics_port
@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any
 from moepipe.deploy.targets.base import LOGITS_DATATYPES, Artifacts, flag, quotable
 from moepipe.errors import CheckpointError, MappingError
 from moepipe.trtllm.engine import check_engine_version, engine_world_size
-from moepipe.trtllm.mapping import Mapping
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 from moepipe.utils.fs import read_json
 
@@ -84,7 +83,7 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
     """Values of ``targets/trtllm-engine`` (see the module docstring for each source)."""
     t = cfg.deploy.trtllm
     d = cfg.deploy
-    mapping = Mapping.of(cfg.parallel)
+    mapping = cfg.parallel.to_mapping()
     engine = (art.engine_dir or cfg.workdir / "engine").resolve()
     engine_cfg = _read_json_if(engine / "config.json")
     if engine_cfg is not None:  # built already: catch a mismatch now rather than at launch

@@ -6,7 +6,7 @@
 value                           source
 =============================== ==============================================================
 hf_model_dir                    ``Artifacts.hf_serving_dir``, else ``Artifacts.model_dir``
-tensor_parallel_size, ...       ``parallel`` resolved by :class:`moepipe.trtllm.mapping.Mapping`
+tensor_parallel_size, ...       ``parallel`` resolved by :class:`moepipe.mapping.Mapping`
                                 (pipeline, moe_tensor and moe_expert parallel sizes too)
 moe_backend                     ``deploy.trtllm.moe_backend`` (moe_config.backend)
 enable_attention_dp             ``parallel.attention_dp``
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 import yaml
 
 from moepipe.deploy.targets.base import Artifacts, flag, quotable
+from moepipe.mapping import Mapping
 from moepipe.trtllm.load_balancer import read_placement
-from moepipe.trtllm.mapping import Mapping
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
     """Values of ``targets/trtllm-pytorch`` (see the module docstring for each source)."""
     t = cfg.deploy.trtllm
-    mapping = Mapping.of(cfg.parallel)
+    mapping = cfg.parallel.to_mapping()
     model = (art.hf_serving_dir or art.model_dir).resolve()
     window = t.max_attention_window_size
     return {

@@ -1,5 +1,11 @@
 """Tensor / pipeline / expert parallel mapping, with TensorRT-LLM's rank rules.
 
+The ground floor of the rank arithmetic: it imports nothing of moepipe but its errors, so the
+architecture rules, the config, the converter, the runtime and the planner all share one
+:class:`Mapping` and one :func:`stage_layers` (as TensorRT-LLM's own ``tensorrt_llm/mapping.py``).
+The config resolves its ``parallel`` section to a Mapping in one place,
+:meth:`moepipe.config.ParallelSection.to_mapping`.
+
 Rules (TensorRT-LLM ``tensorrt_llm/mapping.py``, 1.2.x):
 
 * ``world_size = tp * pp`` (no context parallelism here);
@@ -15,13 +21,9 @@ Rules (TensorRT-LLM ``tensorrt_llm/mapping.py``, 1.2.x):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from moepipe.arch.spec import ModelSpec
 from moepipe.errors import MappingError
-
-if TYPE_CHECKING:
-    from moepipe.config import ParallelSection
 
 
 @dataclass(frozen=True)
@@ -55,12 +57,6 @@ class Mapping:
                                "expert parallelism splits the tensor-parallel group: "
                                "moe_tp * moe_ep must equal tp")
         return cls(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep)
-
-    @classmethod
-    def of(cls, parallel: ParallelSection) -> Mapping:
-        """The mapping of a config's ``parallel`` section."""
-        return cls.create(tp=parallel.tp, pp=parallel.pp, moe_tp=parallel.moe_tp,
-                          moe_ep=parallel.moe_ep)
 
     @property
     def world_size(self) -> int:
@@ -128,13 +124,15 @@ class Mapping:
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """Layers of pipeline stage ``stage`` of ``pp``: contiguous, the first stages taking the
+    extra layer (TensorRT-LLM's ``Mapping.pp_layers``)."""
     base, extra = divmod(num_layers, pp)
     start = stage * base + min(stage, extra)
     return range(start, start + base + (1 if stage < extra else 0))
 
 
 class Shardable(Protocol):
-    """What the sharding rules read of a model: a :class:`ModelSpec`, or the planner's
+    """What the sharding rules read of a model: arch's ``ModelSpec``, or the planner's
     ``ModelShape`` of a family moepipe does not convert yet."""
 
     @property
@@ -179,7 +177,8 @@ def mapping_problems(spec: Shardable, m: Mapping) -> list[str]:
     return problems
 
 
-def check_mapping(spec: ModelSpec, m: Mapping) -> None:
+def check_mapping(spec: Shardable, m: Mapping) -> None:
+    """Refuse a mapping that cannot shard ``spec``, naming every reason."""
     problems = mapping_problems(spec, m)
     if problems:
         raise MappingError(f"cannot shard {spec.architecture} with {m.describe()}: "
@@ -187,7 +186,7 @@ def check_mapping(spec: ModelSpec, m: Mapping) -> None:
                            "`moepipe inspect MODEL` lists the legal mappings")
 
 
-def legal_mappings(spec: ModelSpec, max_world_size: int = 8) -> list[Mapping]:
+def legal_mappings(spec: Shardable, max_world_size: int = 8) -> list[Mapping]:
     """Every mapping (powers of two, world size <= ``max_world_size``) that can shard ``spec``."""
     sizes = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= max_world_size]
     out = []
