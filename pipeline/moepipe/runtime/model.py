@@ -13,71 +13,24 @@ cache slot and the number of tokens already cached - ragged prefill and batched 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 
 from moepipe.errors import CheckpointError
 from moepipe.mapping import stage_layers
-from moepipe.quant import dequant
-from moepipe.quant.dequant import ActQuant
 from moepipe.runtime import mla
 from moepipe.runtime.activations import expert_activation
 from moepipe.runtime.attention_ext import attend, projection_qk_norm, window_mask
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
 from moepipe.runtime.moe import experts_dense, experts_sparse, shared_expert
 from moepipe.runtime.routing import RouteFn, route_op
+from moepipe.runtime.weights import Layer, RankLayer, WeightLoader
 
 # MoE strategy by work size (multiply-adds of a layer's experts on this batch): all experts
 # densely, zero-weighting the unselected, while that is cheap (tiny models, decode steps);
 # else one loop over the selected experts.
 DENSE_LIMIT = 1 << 24
-
-
-@dataclass
-class RankLayer:
-    """One decoder layer's weights on one tensor-parallel rank."""
-
-    qkv: torch.Tensor | None  # None with multi-head latent attention (Layer.mla)
-    qkv_bias: torch.Tensor | None
-    dense: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    experts: range  # global ids of this rank's experts
-    fc: torch.Tensor  # [E_local, 2*I_r, H], rows = [up | gate]
-    proj: torch.Tensor  # [E_local, H, I_r]
-    fc_flat: torch.Tensor  # [E_local * 2*I_r, H] (a view of fc)
-    proj_flat: torch.Tensor  # [E_local * I_r, H] (proj transposed per expert)
-    shared_fc: torch.Tensor | None
-    shared_proj: torch.Tensor | None
-    heads: int
-    kv_heads: int
-    # activation quantizers of the linears (quantized checkpoints), and the KV cache's
-    aq: dict[str, ActQuant | None] = field(default_factory=dict)
-    kv: ActQuant | None = None
-    sinks: torch.Tensor | None = None  # [heads_r] softmax sink logits (GPT-OSS)
-    window: int = 0  # sliding-window attention over the last `window` positions (0: full)
-    fc_bias: torch.Tensor | None = None  # [E_local, 2*I_r] (GPT-OSS experts)
-    proj_bias: torch.Tensor | None = None  # [E_local, H], on moe_tp rank 0 only
-
-    def quant(self, which: str, x: torch.Tensor) -> torch.Tensor:
-        q = self.aq.get(which)
-        return x if q is None else q(x)
-
-
-@dataclass
-class Layer:
-    index: int
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    router: torch.Tensor | None  # [E, H] float32; None: a dense layer (shared_fc is its MLP)
-    shared_gate: torch.Tensor | None
-    ranks: list[RankLayer]
-    router_bias: torch.Tensor | None = None  # [E] (GPT-OSS style routers)
-    correction_bias: torch.Tensor | None = None  # [E] selection-only bias (DeepSeek-V3)
-    mla: list[mla.MlaRank] | None = None  # multi-head latent attention per tp rank (DeepSeek)
-    dense_bias: torch.Tensor | None = None  # [H] attention output bias, after the all-reduce
 
 
 @dataclass
@@ -184,100 +137,17 @@ class ReferenceModel:
                         for t in cfg.get("layer_types") or ()]
         if rot_dim != (self.mla.qk_rope_head_dim if self.mla else self.head_size):
             raise CheckpointError("partial rotary embeddings are not implemented")
+        load = WeightLoader(ckpt, self)
         self.layers: list[Layer] = []
         for stage in range(m.pp):
             stage_ranks = [stage * m.tp + t for t in range(m.tp)]
             for local, index in enumerate(stage_layers(ckpt.num_layers, m.pp, stage)):
-                self.layers.append(self._layer(index, f"transformer.layers.{local}.", stage_ranks))
+                self.layers.append(load.layer(index, f"transformer.layers.{local}.", stage_ranks))
         first, last = 0, (m.pp - 1) * m.tp
-        self.embedding = self._get(first, "transformer.vocab_embedding.weight")
-        self.ln_f = self._get(last, "transformer.ln_f.weight")
-        self.lm_head = [self._get(last + t, "lm_head.weight") for t in range(m.tp)]
+        self.embedding = load.get(first, "transformer.vocab_embedding.weight")
+        self.ln_f = load.get(last, "transformer.ln_f.weight")
+        self.lm_head = [load.get(last + t, "lm_head.weight") for t in range(m.tp)]
         self.expert_tokens = torch.zeros(ckpt.num_layers, self.num_experts, dtype=torch.long)
-
-    def _get(self, rank: int, name: str) -> torch.Tensor:
-        """A tensor the checkpoint must have (float32); a clear error when it is missing."""
-        tensors = self.ckpt.ranks[rank]
-        if name not in tensors:
-            raise CheckpointError(f"{self.ckpt.path}: rank{rank}.safetensors lacks '{name}'",
-                                  "the checkpoint does not match its config.json")
-        return tensors[name].float()
-
-    def _opt(self, rank: int, name: str) -> torch.Tensor | None:
-        """A tensor the checkpoint may have (float32), else None."""
-        tensor = self.ckpt.ranks[rank].get(name)
-        return None if tensor is None else tensor.float()
-
-    def _linear(self, rank: int, name: str, needed: bool = True):
-        """(float weight, activation quantizer) of a linear layer, dequantized if needed."""
-        tensors = self.ckpt.ranks[rank]
-        if f"{name}.weight" not in tensors:
-            if not needed:
-                return None, None
-            self._get(rank, f"{name}.weight")  # raises the clear error
-        return dequant.linear(tensors, name, self.quant_algo)
-
-    def _layer(self, index: int, p: str, ranks: list[int]) -> Layer:
-        facts, m = self.ckpt.facts, self.mapping
-        per_rank = []
-        heads = self.num_heads // m.tp
-        kv_heads = max(1, self.num_kv_heads // m.tp)
-        moe = index >= self.dense_layers
-        shared = moe and bool(facts.shared_expert_intermediate_size)
-        for rank in ranks:
-            qkv, qkv_aq = self._linear(rank, p + "attention.qkv", self.mla is None)
-            dense, dense_aq = self._linear(rank, p + "attention.dense", self.mla is None)
-            if moe:
-                fc, fc_aq = self._linear(rank, p + "mlp.fc")
-                proj, proj_aq = self._linear(rank, p + "mlp.proj")
-                shared_fc, shared_fc_aq = self._linear(rank, p + "mlp.shared_expert.fc", shared)
-                shared_proj, shared_proj_aq = self._linear(rank, p + "mlp.shared_expert.proj",
-                                                           shared)
-            else:  # a dense layer (GatedMLP: fc <- gate_proj, gate <- up_proj) as an ungated
-                # shared expert [up | gate] beside no routed experts
-                fc, proj = torch.zeros(0, 0, self.hidden), torch.zeros(0, self.hidden, 0)
-                shared_fc = torch.cat([self._get(rank, p + "mlp.gate.weight"),
-                                       self._get(rank, p + "mlp.fc.weight")])
-                shared_proj = self._get(rank, p + "mlp.proj.weight")
-                fc_aq = proj_aq = shared_fc_aq = shared_proj_aq = None
-            per_rank.append(RankLayer(
-                qkv=qkv,
-                qkv_bias=self._get(rank, p + "attention.qkv.bias") if facts.attn_bias else None,
-                dense=dense,
-                q_norm=self._get(rank, p + "attention.q_layernorm.weight") if facts.qk_norm
-                else None,
-                k_norm=self._get(rank, p + "attention.k_layernorm.weight") if facts.qk_norm
-                else None,
-                experts=m.ep_experts(self.num_experts, rank) if moe else range(0),
-                fc=fc, proj=proj, fc_flat=fc.reshape(-1, fc.shape[-1]),
-                proj_flat=proj.transpose(1, 2).reshape(-1, proj.shape[1]).contiguous(),
-                shared_fc=shared_fc if shared or not moe else None,
-                shared_proj=shared_proj if shared or not moe else None,
-                heads=heads, kv_heads=kv_heads,
-                aq={"qkv": qkv_aq, "dense": dense_aq, "fc": fc_aq, "proj": proj_aq,
-                    "shared_fc": shared_fc_aq, "shared_proj": shared_proj_aq},
-                kv=dequant.kv_quant(self.ckpt.ranks[rank], p + "attention.", self.kv_algo),
-                sinks=self._get(rank, p + "attention.sinks") if facts.attention_sinks else None,
-                window=self.windows[index] if index < len(self.windows) else 0,
-                fc_bias=self._get(rank, p + "mlp.fc.bias") if facts.mlp_bias and moe else None,
-                proj_bias=self._get(rank, p + "mlp.proj.bias")
-                if facts.mlp_bias and moe and m.moe_tp_rank(rank) == 0 else None))
-        r0 = ranks[0]
-        return Layer(index=index,
-                     input_norm=self._get(r0, p + "input_layernorm.weight"),
-                     post_norm=self._get(r0, p + "post_layernorm.weight"),
-                     router=self._get(r0, p + "mlp.router.weight") if moe else None,
-                     shared_gate=self._get(r0, p + "mlp.shared_expert_gate.weight")
-                     if shared and facts.shared_expert_gate else None,
-                     ranks=per_rank,
-                     router_bias=self._get(r0, p + "mlp.router.bias")
-                     if self.ckpt.routing.router_bias else None,
-                     correction_bias=self._get(r0, p + "mlp.e_score_correction_bias")
-                     if self.ckpt.routing.correction_bias and moe else None,
-                     mla=[mla.load_rank(partial(self._get, r), partial(self._opt, r), p, self.mla)
-                          for r in ranks] if self.mla else None,
-                     dense_bias=self._get(r0, p + "attention.dense.bias")
-                     if facts.dense_bias else None)
 
     # -- forward -------------------------------------------------------------------------
     @torch.inference_mode()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from moepipe.runtime.model import Layer, RankLayer
+    from moepipe.runtime.weights import Layer, RankLayer
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> hidden
 
