@@ -16,32 +16,18 @@ from __future__ import annotations
 import math
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from moepipe.errors import ConfigError
+from moepipe.examples.example import Example
 from moepipe.examples.train import Recipe
 from moepipe.utils.fs import atomic_dir
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 BOS, EOS, PAD = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class Example:
-    config_class: str  # transformers config class
-    description: str
-    config: dict[str, Any]
-    tokenizer_vocab: int = 512
-    seed: int = 1234
-    extra: dict[str, Any] = field(default_factory=dict)
-    recipe: Recipe | None = None  # trained on the shipped corpus when set
-
-    @property
-    def trained(self) -> bool:
-        return self.recipe is not None
 
 
 _COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from moepipe.utils.fs import atomic_dir, cache_root
 
 if TYPE_CHECKING:
-    from moepipe.examples import Example
+    from moepipe.examples.example import Example
 
 CORPUS = "pride-and-prejudice.txt"
 TRAIN_CHAPTERS = 30
