@@ -457,7 +457,7 @@ def main() -> None:
     from moepipe.deploy import server
     from moepipe.deploy.lifecycle import status
     from moepipe.validate.load import LoadPlan, Prompt, run_load
-    from moepipe.validate.loadjobs import short_prompts
+    from moepipe.validate.workload import short_prompts
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "e2e"))
     from helpers import free_ports

@@ -40,7 +40,7 @@ def prompts_from_corpus(n: int) -> list[str]:
 
 
 def bench_server(grpc_url: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
-    from moepipe.deploy import client
+    from moepipe.validate import client
 
     latencies, tokens = [], []
     lock = threading.Lock()

@@ -75,7 +75,7 @@ def evaluate(folder: Path) -> dict:
     uni = float(-(unigram * p.log()).sum() / unigram.sum())
     # The formula of `moepipe validate`'s balance job (there: counted from the server's
     # expert counters; here: from the router of transformers on the held-out text).
-    from moepipe.validate.balance import imbalance
+    from moepipe.validate.jobs.balance import imbalance
 
     load = []
     for n, c in zip(layers, counts.numpy(), strict=True):

@@ -374,7 +374,7 @@ def validate(config: Path | None = ConfigOpt,
     """Run the validation jobs against the live endpoint; JSON + JUnit XML reports."""
     from moepipe.commands.validate import run_validate
     from moepipe.config import load_config
-    from moepipe.validate.jobs import JOBS
+    from moepipe.validate.registry import JOBS
 
     for name in job or []:
         if name not in JOBS:

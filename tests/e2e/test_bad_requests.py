@@ -8,8 +8,8 @@ import concurrent.futures
 import numpy as np
 import pytest
 
-from moepipe.deploy import client
-from moepipe.deploy.client import ClientError
+from moepipe.validate import client
+from moepipe.validate.client import ClientError
 
 
 def _llm_inputs(n=6, **extra):

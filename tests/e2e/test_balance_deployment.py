@@ -6,7 +6,7 @@ import urllib.request
 
 from moepipe.cli import main
 from moepipe.trtllm.load_balancer import read_placement
-from moepipe.validate.balance import settled
+from moepipe.validate.jobs.balance import settled
 
 
 def test_balance_from_the_deployments_metrics(deployment, tmp_path, capsys):

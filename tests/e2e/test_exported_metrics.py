@@ -7,8 +7,9 @@ import re
 import time
 import urllib.request
 
-from moepipe.deploy import client, grafana
+from moepipe.deploy import grafana
 from moepipe.deploy.metric_names import TRTLLM_FAMILIES, metrics_in
+from moepipe.validate import client
 
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from helpers import make_config
 
-from moepipe.deploy import client
+from moepipe.validate import client
 
 BURST = 10
 MAX_QUEUE = 2

@@ -14,7 +14,8 @@ import pytest
 import yaml
 from helpers import free_ports, make_config
 
-from moepipe.deploy import client, monitoring
+from moepipe.deploy import monitoring
+from moepipe.validate import client
 
 LIMIT = 1.0  # std/mean; two experts of eight taking every token give sqrt(3) = 1.73
 

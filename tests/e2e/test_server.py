@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moepipe.commands.build import model_dir
-from moepipe.deploy import client
-from moepipe.deploy.client import ClientError
+from moepipe.validate import client
+from moepipe.validate.client import ClientError
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.",
            "Call me Ishmael.",

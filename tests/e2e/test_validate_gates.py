@@ -57,7 +57,7 @@ def skewed(tmp_path_factory):
     run_deploy(cfg, echo=lambda s: None)
     backend = None
     try:
-        from moepipe.validate.recovery import backend_pid
+        from moepipe.validate.jobs.recovery import backend_pid
 
         st = server.read_state(state_dir(cfg))
         backend = backend_pid(st.pid) if st else None

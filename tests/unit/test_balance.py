@@ -120,7 +120,7 @@ def test_counts_from_triton_metrics_text(tmp_path):
 
 def test_validate_counters_settle_with_dense_layers_at_zero(monkeypatch):
     """The balance job waits for equal per-layer totals; dense layers (zero) do not count."""
-    from moepipe.validate import balance as job
+    from moepipe.validate.jobs import balance as job
 
     counts = {(0, 0): 0.0, (0, 1): 0.0, (1, 0): 3.0, (1, 1): 5.0, (2, 0): 6.0, (2, 1): 2.0}
     monkeypatch.setattr(job, "scrape", lambda url: dict(counts))
@@ -227,7 +227,7 @@ def test_cli_balance_from_a_counts_file(tmp_path, capsys):
 
 def test_counts_from_validate_balance_job(tmp_path):
     # validate.json as moepipe.validate.report writes it, balance job data as
-    # moepipe.validate.balance records it (per-layer shares and tokens)
+    # moepipe.validate.jobs.balance records it (per-layer shares and tokens)
     report = {"passed": True, "jobs": [
         {"job": "smoke", "passed": True, "cases": [], "data": {}},
         {"job": "balance", "passed": True, "cases": [], "data": {

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from moepipe.config import parse_config
-from moepipe.validate import balance, html, stats
+from moepipe.validate import html, stats
 from moepipe.validate import load as driver
+from moepipe.validate.jobs import balance
 from moepipe.validate.load import LoadPlan, LoadResult, Prompt, Sample, _share, classify
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moepipe.config import MoepipeConfig
-from moepipe.validate.jobs import JOBS, Endpoint, JobContext
+from moepipe.validate.base import Endpoint, JobContext
+from moepipe.validate.registry import JOBS
 from moepipe.validate.report import Report
 
 

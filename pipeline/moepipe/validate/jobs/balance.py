@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moepipe.deploy.metric_names import expert_token_counts
+from moepipe.validate.base import JobContext
 from moepipe.validate.load import run_load
-from moepipe.validate.loadjobs import plan, prompts_for
 from moepipe.validate.report import JobResult, Skip, check
-
-if TYPE_CHECKING:
-    from moepipe.validate.jobs import JobContext
+from moepipe.validate.workload import plan, prompts_for
 
 COUNTER = "moepipe_expert_tokens_total"
 SETTLE_PERIOD_S = 0.6  # > the cpu model's metrics publication period (0.5 s)

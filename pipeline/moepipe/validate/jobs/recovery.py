@@ -20,16 +20,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from moepipe.deploy import client, server
+from moepipe.deploy import server
+from moepipe.validate import client
+from moepipe.validate.base import Endpoint, JobContext
 from moepipe.validate.load import run_load
-from moepipe.validate.loadjobs import plan, prompts_for
 from moepipe.validate.report import CheckFailed, JobResult, Skip, check
 from moepipe.validate.stats import timeline
-
-if TYPE_CHECKING:
-    from moepipe.validate.jobs import Endpoint, JobContext
+from moepipe.validate.workload import plan, prompts_for
 
 BACKEND_STUB = "triton_python_backend_stub"
 

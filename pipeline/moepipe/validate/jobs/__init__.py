@@ -1,0 +1,1 @@
+"""The validation jobs, one module each (the order and names: :mod:`moepipe.validate.registry`)."""
