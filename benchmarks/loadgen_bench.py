@@ -454,8 +454,8 @@ def main() -> None:
     from moepipe.commands.build import run_build
     from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.config import load_config
-    from moepipe.deploy import server
-    from moepipe.deploy.lifecycle import status
+    from moepipe.deploy.local import lifecycle
+    from moepipe.deploy.local.lifecycle import status
     from moepipe.validate.load import LoadPlan, Prompt, run_load
     from moepipe.validate.workload import short_prompts
 
@@ -494,7 +494,7 @@ def main() -> None:
                     args.closed_loop_cap, tuple(args.aiperf_option)))
                 load.append(os.getloadavg()[0])
     finally:
-        server.stop(state_dir(cfg))
+        lifecycle.stop(state_dir(cfg))
     report(args, points, results, load)
     print(f"per-request records (AIPerf's and the driver's): {work}")
 

@@ -34,7 +34,7 @@ def run_variant(root: Path, n: int, instances: int, delay_us: int, pairs: int) -
     from moepipe.commands.build import run_build
     from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.config import load_config
-    from moepipe.deploy import server
+    from moepipe.deploy.local import lifecycle
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "e2e"))
     from helpers import free_ports
@@ -82,7 +82,7 @@ def run_variant(root: Path, n: int, instances: int, delay_us: int, pairs: int) -
         q1 = metric(murl, "nv_inference_queue_duration_us", "preprocessing")
         c1 = metric(murl, "nv_inference_count", "preprocessing")
     finally:
-        server.stop(state_dir(cfg), grace=20)
+        lifecycle.stop(state_dir(cfg), grace=20)
     walls.sort()
     return {"instances": instances, "delay_us": delay_us, "requests": int(c1 - c0),
             "preprocessing_queue_ms": round((q1 - q0) / 1e3, 1),

@@ -233,7 +233,7 @@ def main() -> None:
     from moepipe.commands.build import model_dir, run_build
     from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.config import load_config
-    from moepipe.deploy import server
+    from moepipe.deploy.local import binary, lifecycle
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "e2e"))
     from helpers import free_ports
@@ -260,8 +260,8 @@ def main() -> None:
             rows.append({"concurrency": c, "server": srv, "transformers": ref,
                          "speedup": srv["tokens_per_s"] / ref["tokens_per_s"]})
     finally:
-        server.stop(state_dir(cfg))
-    log = (state_dir(cfg) / server.LOG_FILE).read_text(errors="replace")
+        lifecycle.stop(state_dir(cfg))
+    log = (state_dir(cfg) / binary.LOG_FILE).read_text(errors="replace")
     engine = [line.split('"')[1] for line in log.splitlines() if "moepipe engine:" in line]
     print(f"{args.example} tp={args.tp}, {args.requests} requests x {args.max_tokens} tokens, "
           f"torch threads {args.threads}")

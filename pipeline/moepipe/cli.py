@@ -299,10 +299,10 @@ def _deployment(config: Path | None) -> tuple[Path, Path | None]:
 @app.command()
 def stop(config: Path | None = ConfigOpt) -> None:
     """Stop the workdir's Triton server and every process of its deployment."""
-    from moepipe.deploy import server
+    from moepipe.deploy.local import lifecycle
 
     where, repository = _deployment(config)
-    res = server.stop(where, repository=repository)
+    res = lifecycle.stop(where, repository=repository)
     how = "" if res["graceful"] else f" (forced: {res['forced']})"
     left = f"; killed {res['leftovers']} leftover process(es)" if res["leftovers"] else ""
     if res["was_running"]:
@@ -317,9 +317,9 @@ def stop(config: Path | None = ConfigOpt) -> None:
 def status(config: Path | None = ConfigOpt,
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Is the workdir's Triton server serving, and where."""
-    from moepipe.deploy import server
+    from moepipe.deploy.local import lifecycle
 
-    info = server.status(*_deployment(config))
+    info = lifecycle.status(*_deployment(config))
     if as_json:
         typer.echo(json.dumps(info))
     elif info["running"]:
@@ -347,19 +347,20 @@ def serve(repository: Path = typer.Argument(..., help="A rendered model reposito
           ) -> None:
     """Run a rendered repository in the foreground (Ctrl-C stops it cleanly); a dead server
     or model process is restarted, up to --max-restarts times."""
-    from moepipe.deploy import server, supervisor
+    from moepipe.deploy.local import lifecycle, supervisor
+    from moepipe.deploy.local.state import STATE_FILE
 
     if not (repository / "ensemble" / "config.pbtxt").is_file():
         raise MoepipeError(f"{repository}: not a rendered model repository (no ensemble)",
                            "pass <deploy>/model_repo as written by `moepipe deploy`")
-    state = server.start(repository.resolve(), repository.resolve().parent / ".serve",
-                         host=host, http_port=http_port, grpc_port=grpc_port,
-                         metrics_port=metrics_port, timeout=timeout)
+    state = lifecycle.start(repository.resolve(), repository.resolve().parent / ".serve",
+                            host=host, http_port=http_port, grpc_port=grpc_port,
+                            metrics_port=metrics_port, timeout=timeout)
     _echo(f"serving {repository} (pid {state.pid}): http {state.http}, grpc {state.grpc}, "
           f"metrics {state.metrics}; log {state.log}. Ctrl-C to stop.")
     code = supervisor.foreground(repository.resolve().parent / ".serve", state, max_restarts,
                                  _echo)
-    (repository.resolve().parent / ".serve" / server.STATE_FILE).unlink(missing_ok=True)
+    (repository.resolve().parent / ".serve" / STATE_FILE).unlink(missing_ok=True)
     raise typer.Exit(code)
 
 

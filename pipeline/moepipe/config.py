@@ -229,7 +229,7 @@ class TrtllmDeploySection(Section):
 
 
 class K8sSection(Section):
-    """Kubernetes objects written to <deploy>/k8s (see moepipe.deploy.k8s)."""
+    """Kubernetes objects written to <deploy>/k8s (see moepipe.deploy.cluster.k8s)."""
 
     name: str = Field("moepipe", description="Name (and app label) of the Kubernetes objects.")
     namespace: str | None = Field(None, description="Namespace kustomize sets (unset: the "

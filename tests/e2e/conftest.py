@@ -11,7 +11,7 @@ def deployment(tmp_path_factory):
     from moepipe.commands.build import run_build
     from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.commands.validate import endpoint_for
-    from moepipe.deploy import server
+    from moepipe.deploy.local import lifecycle
 
     workdir = tmp_path_factory.mktemp("deployment")
     cfg = make_config(workdir)
@@ -20,7 +20,7 @@ def deployment(tmp_path_factory):
     try:
         yield cfg, endpoint_for(cfg, None, None)
     finally:
-        server.stop(state_dir(cfg), grace=40)
+        lifecycle.stop(state_dir(cfg), grace=40)
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +30,8 @@ def deployment_not_decoupled(deployment):
     <workdir>/deploy-not-decoupled. Stopped by PID when the test run ends."""
     from moepipe.commands.deploy import artifacts
     from moepipe.commands.validate import endpoint_for
-    from moepipe.deploy import server
-    from moepipe.deploy.repository import render_deployment
+    from moepipe.deploy.local import lifecycle
+    from moepipe.deploy.render.repository import render_deployment
 
     cfg, _ = deployment
     http, grpc, metrics = free_ports(3)
@@ -42,12 +42,13 @@ def deployment_not_decoupled(deployment):
     repo = render_deployment(nd, artifacts(nd))
     state = cfg.workdir / "server-not-decoupled"
     d = nd.deploy
-    server.start(repo, state, host=d.host, http_port=http, grpc_port=grpc,
-                 metrics_port=metrics, timeout=d.ready_timeout_s, exit_timeout=d.exit_timeout_s)
+    lifecycle.start(repo, state, host=d.host, http_port=http, grpc_port=grpc,
+                    metrics_port=metrics, timeout=d.ready_timeout_s,
+                    exit_timeout=d.exit_timeout_s)
     try:
         yield nd, endpoint_for(nd, None, None)
     finally:
-        server.stop(state, grace=40)
+        lifecycle.stop(state, grace=40)
 
 
 @pytest.fixture(scope="session")

@@ -83,7 +83,7 @@ def test_a_5mb_body_is_a_clean_error_and_the_server_lives(deployment, content_ty
 def test_a_64mb_form_body_is_a_clean_error_and_the_server_lives(deployment):
     """Issue 9 case 2, further: with 64 MiB thread stacks a form-encoded body of 40 MB still
     killed Triton 2.51; the server's 1 GiB stacks take bodies to ~400 MB (measured; see
-    deploy/server.py SERVER_STACK_BYTES). Not JSON, so Triton refuses it before any model."""
+    deploy/tritonserver.py SERVER_STACK_BYTES). Not JSON, so Triton refuses it before any model."""
     _, ep = deployment
     small = _post(ep, b"x=a", "application/x-www-form-urlencoded")
     code, text = _post(ep, b"x=" + b"a" * (64 << 20), "application/x-www-form-urlencoded")

@@ -11,7 +11,7 @@ from pathlib import Path
 from helpers import make_config
 
 from moepipe.commands.deploy import state_dir
-from moepipe.deploy import server
+from moepipe.deploy.local import lifecycle
 
 SCRIPT = Path(__file__).parents[2] / "ci" / "moepipe-ci.sh"
 
@@ -37,9 +37,9 @@ def test_ci_script_builds_deploys_validates_and_stops(tmp_path):
         run = _run("deploy-validate", project, env)
         assert run.returncode == 0, run.stdout + run.stderr
     finally:
-        running = server.status(state_dir(cfg)).get("running")
+        running = lifecycle.status(state_dir(cfg)).get("running")
         if running:
-            server.stop(state_dir(cfg), grace=40)
+            lifecycle.stop(state_dir(cfg), grace=40)
     assert not running  # the script stopped it
     junit = list((tmp_path / "ci-reports").glob("*.xml"))
     assert junit, list((tmp_path / "ci-reports").iterdir())

@@ -25,7 +25,7 @@ def test_deepseek_builds_deploys_and_validates(tmp_path, example):
     from moepipe.commands.build import run_build
     from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.commands.validate import run_validate
-    from moepipe.deploy import server
+    from moepipe.deploy.local import lifecycle
 
     arch, parallel = CASES[example]
     cfg = make_config(tmp_path / "ds", example=example, parallel=parallel,
@@ -56,4 +56,4 @@ def test_deepseek_builds_deploys_and_validates(tmp_path, example):
         bal = next(j for j in report.jobs if j.job == "balance")
         assert bal.data["counted_layers"] == [1, 2]  # the balance job skips the dense layer
     finally:
-        server.stop(state_dir(cfg), grace=40)
+        lifecycle.stop(state_dir(cfg), grace=40)

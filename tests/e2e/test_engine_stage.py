@@ -18,8 +18,8 @@ import pytest
 
 from moepipe.arch import get_family
 from moepipe.config import parse_config
-from moepipe.deploy.repository import render_deployment
-from moepipe.deploy.targets import Artifacts
+from moepipe.deploy.render.repository import render_deployment
+from moepipe.deploy.render.targets import Artifacts
 from moepipe.errors import (
     CheckpointError,
     ConfigError,

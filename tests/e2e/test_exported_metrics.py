@@ -7,7 +7,7 @@ import re
 import time
 import urllib.request
 
-from moepipe.deploy import grafana
+from moepipe.deploy.cluster import grafana
 from moepipe.deploy.metric_names import TRTLLM_FAMILIES, metrics_in
 from moepipe.validate import client
 

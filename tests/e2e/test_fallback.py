@@ -23,7 +23,7 @@ def with_fallback(tmp_path_factory):
     from moepipe.commands.build import run_build
     from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.config import load_config
-    from moepipe.deploy import server
+    from moepipe.deploy.local import lifecycle
 
     root = tmp_path_factory.mktemp("fallback")
     # The fallback: another pipeline (same tokenizer: the tiny examples share theirs).
@@ -39,7 +39,7 @@ def with_fallback(tmp_path_factory):
     try:
         yield cfg
     finally:
-        server.stop(state_dir(cfg), grace=40)
+        lifecycle.stop(state_dir(cfg), grace=40)
 
 
 def _ask(cfg, i):
@@ -104,7 +104,7 @@ def test_a_dead_primary_opens_the_circuit_and_no_request_fails(with_fallback):
     import signal
 
     from moepipe.commands.deploy import repository_dir
-    from moepipe.deploy import processes
+    from moepipe.deploy.local import processes
 
     cfg = with_fallback
     failures = cfg.deploy.fallback.failures

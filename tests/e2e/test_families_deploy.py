@@ -24,7 +24,8 @@ def test_families_deploy_on_cpu_and_validate(tmp_path):
     from moepipe.commands.build import run_build
     from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.commands.validate import endpoint_for, run_validate
-    from moepipe.deploy import server
+    from moepipe.deploy.local import lifecycle
+    from moepipe.deploy.local.state import read_state
 
     assert CPU_ONLY_SOMEWHERE  # OLMoE and GPT-OSS at least
     cfgs = {ex: make_config(tmp_path / ex, example=ex, parallel={"tp": 1, "moe_ep": 1},
@@ -40,8 +41,8 @@ def test_families_deploy_on_cpu_and_validate(tmp_path):
         run_deploy(cfgs[ex], echo=lambda s: None)
 
     def stop(ex):
-        if server.read_state(state_dir(cfgs[ex])) is not None:
-            server.stop(state_dir(cfgs[ex]), grace=20)
+        if read_state(state_dir(cfgs[ex])) is not None:
+            lifecycle.stop(state_dir(cfgs[ex]), grace=20)
 
     reports = {}
     with ThreadPoolExecutor(len(cfgs)) as pool:

@@ -18,7 +18,7 @@ from helpers import make_config
 
 from moepipe.commands.build import run_build
 from moepipe.commands.deploy import repository_dir, run_deploy, state_dir
-from moepipe.deploy import processes
+from moepipe.deploy.local import processes
 from moepipe.errors import MoepipeError
 
 
@@ -139,8 +139,8 @@ def test_stop_is_prompt_with_hung_requests_and_an_invalid_config(faulty):
                              "max_tokens": cfg.build.max_seq_len - 32}),
                  {"Content-Type": "application/json"})
     assert conn.getresponse().readline().startswith(b"data:")  # generating now
-    from moepipe.deploy.lifecycle import _progress
-    from moepipe.deploy.state import read_state
+    from moepipe.deploy.local.drain import progress as _progress
+    from moepipe.deploy.local.state import read_state
 
     # Hang the engine once the metrics show the request in flight. Its own running gauge is
     # published every 0.5 s and may not show it yet (Triton's pending count did): then stop

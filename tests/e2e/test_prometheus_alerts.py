@@ -14,7 +14,7 @@ import pytest
 import yaml
 from helpers import free_ports, make_config
 
-from moepipe.deploy import monitoring
+from moepipe.deploy.cluster import monitoring
 from moepipe.validate import client
 
 LIMIT = 1.0  # std/mean; two experts of eight taking every token give sqrt(3) = 1.73
@@ -42,7 +42,7 @@ def _skewed_checkpoint(root):
 def skewed(tmp_path_factory):
     from moepipe.commands.build import run_build
     from moepipe.commands.deploy import run_deploy, state_dir
-    from moepipe.deploy import server
+    from moepipe.deploy.local import lifecycle
 
     root = tmp_path_factory.mktemp("skewed")
     model = _skewed_checkpoint(root)
@@ -58,7 +58,7 @@ def skewed(tmp_path_factory):
     try:
         yield cfg
     finally:
-        server.stop(state_dir(cfg), grace=40)
+        lifecycle.stop(state_dir(cfg), grace=40)
 
 
 def _get(url):

@@ -20,10 +20,10 @@ import upstream_contract as upstream
 import yaml
 
 from moepipe.config import parse_config
-from moepipe.deploy.render import check_repository
-from moepipe.deploy.repository import render_deployment
-from moepipe.deploy.targets import TARGETS as REGISTERED_TARGETS
-from moepipe.deploy.targets import Artifacts
+from moepipe.deploy.render.repository import render_deployment
+from moepipe.deploy.render.targets import TARGETS as REGISTERED_TARGETS
+from moepipe.deploy.render.targets import Artifacts
+from moepipe.deploy.render.templates import check_repository
 from moepipe.errors import ConfigError, MappingError
 from moepipe.stages.convert import convert
 from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION

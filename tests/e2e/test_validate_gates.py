@@ -45,7 +45,8 @@ def skewed(tmp_path_factory):
     from moepipe.commands.build import run_build
     from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.commands.validate import endpoint_for
-    from moepipe.deploy import server
+    from moepipe.deploy.local import lifecycle
+    from moepipe.deploy.local.state import ServerError, read_state
     from moepipe.examples import write_example
 
     root = tmp_path_factory.mktemp("skewed")
@@ -59,13 +60,13 @@ def skewed(tmp_path_factory):
     try:
         from moepipe.validate.jobs.recovery import backend_pid
 
-        st = server.read_state(state_dir(cfg))
+        st = read_state(state_dir(cfg))
         backend = backend_pid(st.pid) if st else None
         yield cfg, endpoint_for(cfg, None, None)
     finally:
         try:
-            server.stop(state_dir(cfg), grace=10)
-        except server.ServerError:  # the supervisor gave up after the recovery test's kill
+            lifecycle.stop(state_dir(cfg), grace=10)
+        except ServerError:  # the supervisor gave up after the recovery test's kill
             pass
         if backend is not None:  # a killed server can leave its backend stub behind
             try:

@@ -172,8 +172,8 @@ def _config(tmp_path, model, **over):
 
 
 def test_deploy_renders_the_placement_into_model_yaml(tmp_path, examples):
-    from moepipe.deploy.repository import render_deployment
-    from moepipe.deploy.targets.base import Artifacts
+    from moepipe.deploy.render.repository import render_deployment
+    from moepipe.deploy.render.targets.base import Artifacts
 
     write_placement(balance({li: [9, 1, 1, 1, 1, 1, 1, 5] for li in range(4)}, moe_ep=2),
                     tmp_path / "placement.yaml")

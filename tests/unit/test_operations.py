@@ -22,11 +22,11 @@ import pytest
 import yaml
 
 from moepipe.config import parse_config
-from moepipe.deploy import grafana, k8s, monitoring
+from moepipe.deploy.cluster import grafana, k8s, monitoring
+from moepipe.deploy.cluster.operate import RULES_FILE, render_operations
 from moepipe.deploy.metric_names import EXPORTED, TRTLLM_FAMILIES, metrics_in
-from moepipe.deploy.operate import RULES_FILE, render_operations
-from moepipe.deploy.targets import TARGETS as REGISTERED_TARGETS
-from moepipe.deploy.targets import Artifacts
+from moepipe.deploy.render.targets import TARGETS as REGISTERED_TARGETS
+from moepipe.deploy.render.targets import Artifacts
 from moepipe.errors import ConfigError
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
@@ -209,10 +209,10 @@ def test_multinode_launch_scripts_pass_shellcheck(tmp_path):
                          ids=[f"{t}-{'multinode' if e else 'single'}" for t, e in SHAPES])
 def test_serving_pods_raise_the_stack_limit_before_tritonserver(tmp_path, target, extra):
     """A form-encoded body of a few MB must not kill a pod's server (Triton's HTTP frontend
-    parses it into stack arrays, see moepipe.deploy.server.SERVER_STACK_BYTES): the serving
+    parses it into stack arrays, see moepipe.deploy.tritonserver.SERVER_STACK_BYTES): the serving
     container raises the soft stack limit, then execs tritonserver with its flags."""
-    from moepipe.deploy.k8s import RAISE_STACK
-    from moepipe.deploy.server import SERVER_STACK_BYTES
+    from moepipe.deploy.cluster.k8s import RAISE_STACK
+    from moepipe.deploy.tritonserver import SERVER_STACK_BYTES
 
     _, out = render(tmp_path, target, **extra)
     docs = kustomize(out / "k8s")

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from moepipe.deploy.render import templates_root
+from moepipe.deploy.render.templates import templates_root
 
 PATH = templates_root() / "common" / "model_repo" / "tensorrt_llm_bls" / "1" / "overload.py"
 spec = importlib.util.spec_from_file_location("overload", PATH)

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import moepipe
-from moepipe.deploy.render import templates_root
+from moepipe.deploy.render.templates import templates_root
 
 ROOT = Path(__file__).parents[2]
 

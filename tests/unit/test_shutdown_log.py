@@ -1,7 +1,7 @@
 """What ``moepipe stop`` reads from Triton's log while it shuts down: the countdown lines of
 tritonserver 2.51 (http_server.cc, server.cc, model_lifecycle), copied from real logs."""
 
-from moepipe.deploy.lifecycle import _ShutdownLog
+from moepipe.deploy.local.drain import ShutdownLog as _ShutdownLog
 
 DRAINING = '''Signal (15) received.
 I1201 06:18:07.679043 5949 http_server.cc:248] "Timeout 30: Found 1 HTTP service connections"

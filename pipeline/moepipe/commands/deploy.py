@@ -6,8 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moepipe.config import MoepipeConfig, load_config
-from moepipe.deploy import server
-from moepipe.deploy.repository import Artifacts, render_deployment
+from moepipe.deploy.local import lifecycle
+from moepipe.deploy.render.repository import Artifacts, render_deployment
 from moepipe.errors import MoepipeError
 
 
@@ -38,7 +38,7 @@ def pod_memory(cfg: MoepipeConfig, model: Path) -> int | None:
     """The planner's host memory of one serving pod, in MiB (the Kubernetes memory request
     and limit); None where the planner cannot read the model (the deploy then estimates from
     the built files)."""
-    from moepipe.deploy.k8s import shape
+    from moepipe.deploy.cluster.k8s import shape
     from moepipe.planner.plan import load_model
     from moepipe.planner.pods import pod_memory_mib
     from moepipe.planner.weights import Sharding
@@ -84,19 +84,14 @@ def repository_dir(cfg: MoepipeConfig) -> Path:
 
 
 def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
-    from moepipe.deploy import processes
-
-    current = server.status(state_dir(cfg), repository_dir(cfg))
+    current = lifecycle.status(state_dir(cfg), repository_dir(cfg))
     if current.get("server_alive"):
         raise MoepipeError(f"a server is already running for this workdir (pid "
                            f"{current['pid']}, http {current['http']})",
                            "run `moepipe stop` first")
-    # What an earlier deployment left behind (stubs of a killed server, its supervisor).
-    left = processes.kill_all(processes.deployment_processes(repository_dir(cfg),
-                                                             current.get("pid")))
+    left = lifecycle.clear(state_dir(cfg), repository_dir(cfg), current.get("pid"))
     if left:
         echo(f"deploy: stopped {len(left)} process(es) an earlier deployment left behind")
-    (state_dir(cfg) / server.STATE_FILE).unlink(missing_ok=True)
     art = artifacts(cfg)
     fallback = None
     if cfg.deploy.fallback is not None:
@@ -108,11 +103,11 @@ def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
         echo(_gpu_instructions(cfg, art, repo))
         return {"repository": str(repo), "started": False}
     d = cfg.deploy
-    state = server.start(repo, state_dir(cfg), host=d.host, http_port=d.http_port,
-                         grpc_port=d.grpc_port, metrics_port=d.metrics_port,
-                         timeout=d.ready_timeout_s, exit_timeout=d.exit_timeout_s,
-                         binary=d.tritonserver)
-    from moepipe.deploy.supervisor import spawn
+    state = lifecycle.start(repo, state_dir(cfg), host=d.host, http_port=d.http_port,
+                            grpc_port=d.grpc_port, metrics_port=d.metrics_port,
+                            timeout=d.ready_timeout_s, exit_timeout=d.exit_timeout_s,
+                            binary=d.tritonserver)
+    from moepipe.deploy.local.supervisor import spawn
 
     state = spawn(state_dir(cfg), state, d.max_restarts)
     echo(f"deploy: tritonserver ready (pid {state.pid})\n"

@@ -12,11 +12,11 @@ from moepipe.validate.report import Report
 
 def endpoint_for(cfg: MoepipeConfig, url: str | None, grpc_url: str | None) -> Endpoint:
     from moepipe.commands.deploy import state_dir
-    from moepipe.deploy import server
+    from moepipe.deploy.local import lifecycle
 
     http = url or cfg.validation.url
     grpc = grpc_url or cfg.validation.grpc_url
-    st = server.status(state_dir(cfg))
+    st = lifecycle.status(state_dir(cfg))
     if http is None:
         http = st["http"] if st.get("running") else f"{cfg.deploy.host}:{cfg.deploy.http_port}"
     if grpc is None:

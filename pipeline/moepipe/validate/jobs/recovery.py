@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from moepipe.deploy import server
+from moepipe.deploy.local.state import ServerState, read_state
 from moepipe.validate import client
 from moepipe.validate.base import Endpoint, JobContext
 from moepipe.validate.load import run_load
@@ -88,15 +88,15 @@ def recovery(ctx: JobContext) -> JobResult:
     rc = cfg.validation.recovery
     job.data["runs"] = []
 
-    def local_state() -> server.ServerState:
-        st = server.read_state(ctx.state_dir) if ctx.state_dir else None
+    def local_state() -> ServerState:
+        st = read_state(ctx.state_dir) if ctx.state_dir else None
         if st is None or f"{st.host}:{st.http_port}" != ep.http:
             raise Skip(f"{ep.http} is not this workdir's local deployment (or it is down): the "
                        "job kills processes, so it runs only against `moepipe deploy`'s own "
                        "server")
         return st
 
-    def supervisor(before: server.ServerState) -> str:
+    def supervisor(before: ServerState) -> str:
         """What the deployment's supervisor did, for the failure message."""
         if before.supervisor_pid is None:
             return "the server is not supervised (deploy.max_restarts, `moepipe deploy`)"

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from moepipe.deploy.server import SERVER_STACK_BYTES
+from moepipe.deploy.tritonserver import SERVER_STACK_BYTES
 from moepipe.errors import ConfigError
 
 # Labels every object carries; the selector uses the first two.
@@ -105,7 +105,8 @@ class PodPlan:
     exit_timeout_s: int
 
 
-def _gib(mib: int) -> str:
+def _mi(mib: int) -> str:
+    """A Kubernetes quantity of ``mib`` mebibytes."""
     return f"{mib}Mi"
 
 
@@ -146,8 +147,8 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 def container(plan: PodPlan, name: str, command: list[str], *, serving: bool) -> dict[str, Any]:
     """The Triton container; ``serving`` containers get ports and probes (LWS workers don't:
     their ranks open no ports)."""
-    limits: dict[str, Any] = {"memory": _gib(plan.memory_mib)}
-    requests: dict[str, Any] = {"cpu": plan.cpu, "memory": _gib(plan.memory_mib)}
+    limits: dict[str, Any] = {"memory": _mi(plan.memory_mib)}
+    requests: dict[str, Any] = {"cpu": plan.cpu, "memory": _mi(plan.memory_mib)}
     if plan.gpus:
         limits["nvidia.com/gpu"] = plan.gpus
         requests["nvidia.com/gpu"] = plan.gpus
@@ -182,7 +183,7 @@ def pod_spec(plan: PodPlan, containers: list[dict], service_account: str | None 
         "containers": containers,
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory",
-                                          "sizeLimit": _gib(plan.shm_mib)}},
+                                          "sizeLimit": _mi(plan.shm_mib)}},
             {"name": "workdir", "persistentVolumeClaim": {"claimName": plan.volume_claim,
                                                           "readOnly": True}},
         ],

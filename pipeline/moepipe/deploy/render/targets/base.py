@@ -22,7 +22,7 @@ class Artifacts:
     hf_serving_dir: Path | None = None  # trtllm-pytorch (HF or unified quantized checkpoint)
     vocab_size: int = 0
     # Host memory of one serving pod from the planner (moepipe.planner.pods), in MiB; None:
-    # estimated from the built files (moepipe.deploy.operate.memory_estimate_mib).
+    # estimated from the built files (moepipe.deploy.cluster.operate.memory_estimate_mib).
     pod_memory_mib: int | None = None
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from moepipe import __version__
 from moepipe.config import MoepipeConfig
-from moepipe.deploy import grafana, k8s, monitoring
+from moepipe.deploy.cluster import grafana, k8s, monitoring
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
 MIB = 1 << 20

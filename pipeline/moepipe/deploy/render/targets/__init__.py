@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moepipe.deploy.targets import cpu, trtllm_engine, trtllm_pytorch
-from moepipe.deploy.targets.base import Artifacts
+from moepipe.deploy.render.targets import cpu, trtllm_engine, trtllm_pytorch
+from moepipe.deploy.render.targets.base import Artifacts
 
 if TYPE_CHECKING:
     from moepipe.config import MoepipeConfig

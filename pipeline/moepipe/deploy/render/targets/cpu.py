@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moepipe.deploy.targets.base import Artifacts, flag
+from moepipe.deploy.render.targets.base import Artifacts, flag
 from moepipe.errors import MoepipeError
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moepipe.deploy.render import placeholders, render_tree, templates_root
-from moepipe.deploy.targets import TARGETS, Artifacts
+from moepipe.deploy.render.targets import TARGETS, Artifacts
+from moepipe.deploy.render.templates import placeholders, render_tree, templates_root
 from moepipe.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -14,11 +14,11 @@ from pathlib import Path
 from moepipe import __version__
 from moepipe.arch.hf import tokenizer_files
 from moepipe.config import MoepipeConfig
-from moepipe.deploy.fallback import bls_values, render_fallback
-from moepipe.deploy.operate import render_operations
-from moepipe.deploy.render import check_repository, render_tree, templates_root
-from moepipe.deploy.targets import TARGETS, Artifacts
-from moepipe.deploy.targets.base import LOGITS_DATATYPES, flag
+from moepipe.deploy.cluster.operate import render_operations
+from moepipe.deploy.render.fallback import bls_values, render_fallback
+from moepipe.deploy.render.targets import TARGETS, Artifacts
+from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, flag
+from moepipe.deploy.render.templates import check_repository, render_tree, templates_root
 from moepipe.errors import MoepipeError
 from moepipe.utils.fs import atomic_dir
 
@@ -58,7 +58,7 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
                       fallback: tuple[MoepipeConfig, Artifacts] | None = None) -> Path:
     """Write ``cfg.deploy_dir`` for ``cfg.target``; returns the model repository path.
     ``fallback``: the ``deploy.fallback`` pipeline's config and build (see
-    :mod:`moepipe.deploy.fallback`)."""
+    :mod:`moepipe.deploy.render.fallback`)."""
     target = cfg.target
     if target not in TARGETS:
         raise MoepipeError(f"target '{target}' cannot be rendered yet")

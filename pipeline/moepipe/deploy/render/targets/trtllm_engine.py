@@ -51,7 +51,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moepipe.deploy.targets.base import LOGITS_DATATYPES, Artifacts, flag, quotable
+from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, Artifacts, flag, quotable
 from moepipe.errors import CheckpointError, MappingError
 from moepipe.trtllm.engine import check_engine_version, engine_world_size
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER

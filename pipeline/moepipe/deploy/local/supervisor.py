@@ -1,4 +1,5 @@
-"""The supervisor of a deployed server: ``python -m moepipe.deploy.supervisor STATE_DIR REPO``.
+"""The supervisor of a deployed server: ``python -m moepipe.deploy.local.supervisor STATE_DIR
+REPO``.
 
 ``moepipe deploy`` starts it (detached) once the server is ready. Every :data:`POLL_S` it
 checks that the server and each model's backend process are alive; when one has died it kills
@@ -21,10 +22,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from moepipe.deploy import processes
-from moepipe.deploy.lifecycle import dead_models
-from moepipe.deploy.server import server_env
-from moepipe.deploy.state import ServerError, ServerState, read_state, write_state
+from moepipe.deploy.local import processes
+from moepipe.deploy.local.binary import check_port, server_env
+from moepipe.deploy.local.lifecycle import dead_models, start, terminate
+from moepipe.deploy.local.state import ServerError, ServerState, read_state, write_state
 
 POLL_S = 0.5
 REFRESH_S = 5.0  # how often a healthy deployment's model processes are looked for again
@@ -37,7 +38,7 @@ def spawn(state_dir: Path, state: ServerState, max_restarts: int) -> ServerState
     state.max_restarts = max_restarts
     (state_dir / "supervisor.json").unlink(missing_ok=True)
     with open(state_dir / LOG, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "moepipe.deploy.supervisor",
+        proc = subprocess.Popen([sys.executable, "-m", processes.SUPERVISOR_MODULE,
                                  str(state_dir), state.repository],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=server_env(), start_new_session=True)
@@ -70,8 +71,6 @@ def _record_new_models(state_dir: Path, state: ServerState) -> None:
 def _wait_for_ports(state: ServerState, timeout: float = 15.0) -> None:
     """A killed server's threads may still hold its sockets for a moment after its pid is a
     zombie: wait until every port can be bound again."""
-    from moepipe.deploy.server import check_port
-
     deadline = time.monotonic() + timeout
     for what, port in (("http", state.http_port), ("grpc", state.grpc_port),
                        ("metrics", state.metrics_port)):
@@ -86,8 +85,6 @@ def _wait_for_ports(state: ServerState, timeout: float = 15.0) -> None:
 
 
 def restart(state_dir: Path, old: ServerState) -> ServerState:
-    from moepipe.deploy.server import start
-
     _wait_for_ports(old)
 
     new = start(Path(old.repository), state_dir, host=old.host, http_port=old.http_port,
@@ -151,8 +148,6 @@ def foreground(state_dir: Path, state: ServerState, max_restarts: int,
     """``moepipe serve``: watch a server started in the foreground as the detached supervisor
     does - a dead server or model process gets the deployment killed and restarted, up to
     ``max_restarts`` times - until Ctrl-C (exit 130) or giving up (exit 1)."""
-    from moepipe.deploy.server import terminate
-
     refreshed = time.monotonic()
     try:
         while True:
@@ -178,7 +173,7 @@ def foreground(state_dir: Path, state: ServerState, max_restarts: int,
             echo(f"serving again after {time.monotonic() - failed_at:.1f}s "
                  f"(tritonserver pid {state.pid})")
     except KeyboardInterrupt:
-        terminate(state.pid, 40)
+        terminate(state, 40)
         return 130
 
 

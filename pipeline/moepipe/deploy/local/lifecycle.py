@@ -1,5 +1,6 @@
-"""Status and stop of a deployment's server, from what the deploy recorded or, when
-``server.json`` is gone, from the processes themselves.
+"""The local deployment's server: started on loopback, watched, stopped by PID; its status and
+stop from what the deploy recorded or, when ``server.json`` is gone, from the processes
+themselves. This is the face of :mod:`moepipe.deploy.local`.
 
 ``stop`` is prompt: SIGTERM lets Triton finish the requests in flight, but when a model's
 backend process has died, or the requests in flight make no progress (no token, no finished
@@ -20,26 +21,32 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
+from dataclasses import asdict
 from pathlib import Path
 
-from moepipe.deploy import processes
-from moepipe.deploy.state import STATE_FILE, ServerError, ServerState, read_state
-
-# In-flight requests with no visible progress for this long are hung: stop without waiting.
-NO_PROGRESS_S = 2.0
-# Triton waiting for client connections or in-flight inferences while nothing progresses (no
-# token, no finished request, no engine iteration) for this long is waiting in vain: an idle
-# keep-alive connection, or a hung request whose engine never published it as running.
-DRAIN_IDLE_S = 5.0
-# Unloading that has not released a model for this long, with nothing in flight, is stuck
-# (Python backends can take seconds to wind down on a busy machine; ensembles take none).
-UNLOAD_STALL_S = 12.0
-POLL_S = 0.25
+from moepipe.deploy.local import drain, processes
+from moepipe.deploy.local.binary import (
+    LOG_FILE,
+    check_port,
+    failure_reason,
+    find_tritonserver,
+    log_tail,
+    server_env,
+    server_limits,
+)
+from moepipe.deploy.local.state import (
+    STATE_FILE,
+    ServerError,
+    ServerState,
+    read_state,
+    write_state,
+)
+from moepipe.deploy.tritonserver import local_args
 
 
 def _found_state(proc: processes.Proc, state_dir: Path) -> ServerState:
@@ -109,115 +116,67 @@ def _failure(state_dir: Path) -> str | None:
         return None
 
 
-_METRIC = re.compile(r"^(\w+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
+def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_port: int,
+          metrics_port: int, timeout: float = 180.0, exit_timeout: int = 30,
+          binary: Path | None = None) -> ServerState:
+    """Start tritonserver on ``repository`` and wait until it is ready."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    current = read_state(state_dir)
+    if current is not None and processes.alive(current.pid):
+        raise ServerError(f"a server is already running for this workdir (pid {current.pid}, "
+                          f"http {current.http})", "run `moepipe stop` first")
+    for what, port in (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port)):
+        check_port(host, port, what)
+    triton = find_tritonserver(binary, state_dir)
+    log = state_dir / LOG_FILE
+    cmd = [str(triton.path), *local_args(repository, host=host, http_port=http_port,
+                                         grpc_port=grpc_port, metrics_port=metrics_port,
+                                         exit_timeout=exit_timeout,
+                                         backend_dir=triton.backend_dir)]
+    with open(log, "wb") as log_file:
+        # Own session: Ctrl-C in the terminal reaches moepipe, which stops the server (and
+        # its backend stubs, which share its process group) by PID.
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=server_env(),
+                                start_new_session=True, preexec_fn=server_limits)
+    state = ServerState(pid=proc.pid, host=host, http_port=http_port, grpc_port=grpc_port,
+                        metrics_port=metrics_port, repository=str(repository), log=str(log),
+                        binary=str(triton.path), started=time.time(), exit_timeout=exit_timeout,
+                        backend_dir=str(triton.backend_dir) if triton.backend_dir else None)
+    (state_dir / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            # backend stubs it started may outlive it
+            processes.kill_all(processes.deployment_processes(repository, proc.pid))
+            (state_dir / STATE_FILE).unlink(missing_ok=True)
+            reason = failure_reason(log) or f"exit code {proc.returncode}"
+            raise ServerError(f"tritonserver exited during start: {reason}",
+                              f"full log: {log}", details=log_tail(log))
+        if ready(state):
+            # The model processes, so that one that dies later is noticed.
+            state.models = {p.model: p.pid
+                            for p in processes.deployment_processes(repository, proc.pid)
+                            if p.kind == "stub" and p.model}
+            write_state(state_dir, state)
+            return state
+        time.sleep(0.25)
+    terminate(state, exit_timeout)
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    raise ServerError(f"tritonserver was not ready after {timeout:.0f}s (stopped it)",
+                      f"raise deploy.ready_timeout_s, or see {log}", details=log_tail(log))
 
 
-def _metrics(state: ServerState) -> dict[str, float] | None:
-    try:
-        with urllib.request.urlopen(f"http://{state.metrics}/metrics", timeout=1) as r:
-            text = r.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError):
-        return None
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC.match(line)
-        if m and m.group(2) != "NaN":
-            sums[m.group(1)] = sums.get(m.group(1), 0.0) + float(m.group(2))
-    return sums
-
-
-def _progress(state: ServerState) -> tuple[float, tuple] | None:
-    """(requests in flight, a value that changes whenever any of them progresses)."""
-    m = _metrics(state)
-    if m is None:
-        return None
-    in_flight = m.get("moepipe_running_requests", 0) \
-        + m.get("nv_inference_pending_request_count", 0)
-    return in_flight, (m.get("moepipe_generated_tokens_total", 0),
-                       m.get("nv_inference_request_success", 0),
-                       m.get("nv_inference_request_failure", 0),
-                       # TensorRT-LLM's backend: iteration counter and timestamp (per step)
-                       m.get("nv_trt_llm_general_metrics", 0))
-
-
-_LIVE = re.compile(r"Found (\d+) live models and 0 in-flight non-inference requests")
-_UNLOADED = re.compile(r"successfully unloaded '([^']+)'")
-_UNLOADING = "All models are stopped, unloading models"
-_EXIT_TIMEOUT = "Exit timeout expired"
-# Triton 2.51's shutdown countdowns (http_server.cc, grpc server, server.cc) while it waits.
-_WAITING = re.compile(r"Found (\d+) (HTTP service connections|GRPC service connections|"
-                      r"model versions that have in-flight inferences)")
-
-
-class _ShutdownLog:
-    """What Triton's log says about its shutdown since :meth:`__init__` (the SIGTERM)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            self.offset = path.stat().st_size
-        except OSError:
-            self.offset = 0
-        self.live: int | None = None  # live models, from the latest countdown line
-        self.live_since = time.monotonic()
-        self.unloaded: list[str] = []
-        self.unloading = False
-        self.timed_out = False
-        self.waiting_for: str | None = None  # what Triton's latest countdown waits for
-
-    def read(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return
-        cut = text.rfind("\n") + 1  # leave a half-written line for the next read
-        self.offset += len(text[:cut].encode())
-        for line in text[:cut].splitlines():
-            self.unloading = self.unloading or _UNLOADING in line
-            self.timed_out = self.timed_out or _EXIT_TIMEOUT in line
-            if m := _WAITING.search(line):
-                self.waiting_for = f"{m.group(1)} {m.group(2)}" if int(m.group(1)) else None
-            if m := _UNLOADED.search(line):
-                self.unloaded.append(m.group(1))
-            if (m := _LIVE.search(line)) and int(m.group(1)) != self.live:
-                self.live, self.live_since = int(m.group(1)), time.monotonic()
-
-    def stuck(self, models: dict[str, bool]) -> bool:
-        """Unloading with nothing in flight, and the live-model count has not moved for
-        :data:`UNLOAD_STALL_S` - or, when only ensembles are left (they have no backend to
-        wind down), for :data:`NO_PROGRESS_S`."""
-        if not (self.unloading and self.live):
-            return False
-        left = [name for name in models if name not in self.unloaded]
-        only_ensembles = bool(left) and all(models[name] for name in left)
-        stalled = time.monotonic() - self.live_since
-        return stalled > (NO_PROGRESS_S if only_ensembles else UNLOAD_STALL_S)
-
-
-def _models(state: ServerState) -> dict[str, bool]:
-    """Model name -> is it an ensemble, for the deployment's repository."""
-    repo = Path(state.repository) if state.repository else None
-    if repo is None or not repo.is_dir():
-        return {}
-    found = {}
-    for config in sorted(repo.glob("*/config.pbtxt")):
-        text = config.read_text(errors="replace")
-        found[config.parent.name] = re.search(r'platform:\s*"ensemble"', text) is not None
-    return found
-
-
-def terminate(state: ServerState, grace: float) -> tuple[bool, str | None]:
+def _signal(state: ServerState, grace: float) -> tuple[bool, str | None]:
     """SIGTERM, then SIGKILL when Triton's wait for in-flight requests is pointless (a model
     process died, or nothing progresses) or after ``grace``. Returns (graceful, why forced)."""
     dead = dead_models(state)
     if dead:  # requests routed to it can never finish: Triton would wait its exit timeout
         os.kill(state.pid, signal.SIGKILL)
         return False, f"model process {dead[0]} had died"
-    before = _progress(state)
-    models = _models(state)
-    shutdown = _ShutdownLog(Path(state.log))
+    before = drain.progress(state)
+    models = drain.models(state)
+    shutdown = drain.ShutdownLog(Path(state.log))
     try:
         os.kill(state.pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -239,21 +198,49 @@ def terminate(state: ServerState, grace: float) -> tuple[bool, str | None]:
                       f"while the client's gRPC stream stays open); killed instead of waiting "
                       f"{state.exit_timeout}s")
             break
-        now = _progress(state)
+        now = drain.progress(state)
         if now is not None and last is not None and now[1] != last[1]:
             since = time.monotonic()
         if now is not None:
             last = now
         idle = time.monotonic() - since
-        if now is not None and now[0] > 0 and idle > NO_PROGRESS_S:
-            reason = f"{now[0]:.0f} request(s) in flight made no progress for {NO_PROGRESS_S:.0f}s"
+        if now is not None and now[0] > 0 and idle > drain.NO_PROGRESS_S:
+            reason = (f"{now[0]:.0f} request(s) in flight made no progress for "
+                      f"{drain.NO_PROGRESS_S:.0f}s")
             break
-        if shutdown.waiting_for and not shutdown.unloading and idle > DRAIN_IDLE_S:
+        if shutdown.waiting_for and not shutdown.unloading and idle > drain.DRAIN_IDLE_S:
             reason = (f"Triton waited for {shutdown.waiting_for} while nothing progressed for "
-                      f"{DRAIN_IDLE_S:.0f}s; killed instead of waiting {state.exit_timeout}s")
+                      f"{drain.DRAIN_IDLE_S:.0f}s; killed instead of waiting {state.exit_timeout}s")
             break
-        time.sleep(POLL_S)
+        time.sleep(drain.POLL_S)
     return False, reason
+
+
+def terminate(state: ServerState, grace: float,
+              repository: Path | None = None) -> tuple[bool, str | None, list[int]]:
+    """Stop ``state``'s server (see :func:`_signal`), then kill what is left of its deployment:
+    the server after a forced stop, backend stubs in its process group or naming its
+    repository. Returns (graceful, why forced, pids killed)."""
+    graceful, forced = True, None
+    if processes.alive(state.pid):
+        graceful, forced = _signal(state, grace)
+    processes.reap(state.pid)
+    return graceful, forced, _leftovers(state, repository)
+
+
+def _leftovers(state: ServerState | None, repository: Path | None) -> list[int]:
+    repo = Path(state.repository) if state is not None and state.repository else repository
+    if repo is None:
+        return []
+    return processes.kill_all(processes.deployment_processes(repo, state.pid if state else None))
+
+
+def clear(state_dir: Path, repository: Path, pgid: int | None) -> list[int]:
+    """Kill what an earlier deployment of ``repository`` left behind (stubs of a killed server,
+    its supervisor) and forget its record; returns the pids killed."""
+    killed = processes.kill_all(processes.deployment_processes(repository, pgid))
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    return killed
 
 
 def stop(state_dir: Path, repository: Path | None = None, grace: float | None = None) -> dict:
@@ -267,13 +254,11 @@ def stop(state_dir: Path, repository: Path | None = None, grace: float | None = 
     # The supervisor first: it would restart what is being stopped.
     processes.kill_all([p for p in procs if p.kind == "supervisor"])
     running = state is not None and processes.alive(state.pid)
-    graceful, forced = True, None
-    if running and state is not None:
-        graceful, forced = terminate(state, state.exit_timeout + 10 if grace is None else grace)
-    # What is left: the server after SIGKILL, stubs a dead server left behind (same process
-    # group, or naming the repository).
-    left = processes.deployment_processes(repo, state.pid if state else None) if repo else []
-    killed = processes.kill_all(left)
+    if state is not None:
+        graceful, forced, killed = terminate(
+            state, state.exit_timeout + 10 if grace is None else grace, repository)
+    else:
+        graceful, forced, killed = True, None, _leftovers(None, repository)
     (state_dir / STATE_FILE).unlink(missing_ok=True)
     pid = state.pid if state is not None else None
     return {"pid": pid, "was_running": running, "graceful": graceful, "forced": forced,

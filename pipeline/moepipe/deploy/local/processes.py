@@ -17,7 +17,7 @@ from pathlib import Path
 
 SERVER_NAME = "tritonserver"
 STUB_NAME = "triton_python_backend_stub"
-SUPERVISOR_MODULE = "moepipe.deploy.supervisor"
+SUPERVISOR_MODULE = "moepipe.deploy.local.supervisor"
 
 
 @dataclass(frozen=True)
@@ -94,13 +94,14 @@ def kill_all(procs: list[Proc], wait: float = 10.0) -> list[int]:
     deadline = time.monotonic() + wait
     for pid in killed:
         while alive(pid) and time.monotonic() < deadline:
-            _reap(pid)
+            reap(pid)
             time.sleep(0.02)
-        _reap(pid)
+        reap(pid)
     return killed
 
 
-def _reap(pid: int) -> None:
+def reap(pid: int) -> None:
+    """Collect a child that has exited (a no-op for anyone else's process)."""
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:

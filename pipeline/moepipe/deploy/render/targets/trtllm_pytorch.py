@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from moepipe.deploy.targets.base import Artifacts, flag, quotable
+from moepipe.deploy.render.targets.base import Artifacts, flag, quotable
 from moepipe.mapping import Mapping
 from moepipe.trtllm.load_balancer import read_placement
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
