@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moepipe.checkpoints.st_io import BF16, F32, SafetensorsWriter, convert_bytes
+from moepipe.checkpoints.casts import convert_bytes
+from moepipe.checkpoints.dtypes import BF16, F32
+from moepipe.checkpoints.writer import SafetensorsWriter
 
 HIDDEN, INTER, EXPERTS, HEADS, KV_HEADS, VOCAB = 2048, 4096, 8, 16, 4, 32000
 

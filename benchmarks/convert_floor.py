@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_bench import make_checkpoint, timed  # noqa: E402
 
 from moepipe.checkpoints.digest import file_digest, new_hasher  # noqa: E402
-from moepipe.checkpoints.st_io import parse_header, preallocate  # noqa: E402
+from moepipe.checkpoints.reader import parse_header
+from moepipe.checkpoints.writer import preallocate
 
 
 def cpu_now() -> float:

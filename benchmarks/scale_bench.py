@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from moepipe.arch.hf import open_hf_checkpoint
-from moepipe.checkpoints.st_io import BF16, SafetensorsWriter
+from moepipe.checkpoints.dtypes import BF16
+from moepipe.checkpoints.writer import SafetensorsWriter
 from moepipe.mapping import Mapping
 from moepipe.stages.convert import convert_checkpoint, plan_conversion, unmapped_tensors
 

@@ -153,7 +153,7 @@ def model(examples, tmp_path):
 
 def test_dtype_relabelled_at_the_same_size_is_caught_while_planning(model, tmp_path,
                                                                     monkeypatch):
-    from moepipe.checkpoints.st_io import SafetensorsWriter
+    from moepipe.checkpoints.writer import SafetensorsWriter
     from moepipe.stages.convert import convert
 
     f = model / "model.safetensors"
@@ -173,7 +173,7 @@ def test_dtype_relabelled_at_the_same_size_is_caught_while_planning(model, tmp_p
 
 
 def test_index_shard_outside_the_folder_says_so(model, tmp_path):
-    from moepipe.checkpoints.st_io import CheckpointReader
+    from moepipe.checkpoints.reader import CheckpointReader
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()

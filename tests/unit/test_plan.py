@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from moepipe.arch.hf import open_hf_checkpoint
-from moepipe.checkpoints.st_io import CheckpointReader
+from moepipe.checkpoints.reader import CheckpointReader
 from moepipe.errors import MoepipeError
 from moepipe.examples import family_examples
 from moepipe.mapping import legal_mappings

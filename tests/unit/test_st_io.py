@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moepipe.checkpoints.st_io import BF16, F32, CheckpointReader, SafetensorsWriter
+from moepipe.checkpoints.dtypes import BF16, F32
+from moepipe.checkpoints.reader import CheckpointReader
+from moepipe.checkpoints.writer import SafetensorsWriter
 
 
 def test_slices_read_only_what_they_need(tmp_path):
@@ -44,7 +46,8 @@ def test_writer_streams_chunks_into_a_standard_file(tmp_path):
 def test_dtype_conversion_matches_torch_bit_for_bit():
     import numpy as np
 
-    from moepipe.checkpoints.st_io import F16, convert_bytes
+    from moepipe.checkpoints.casts import convert_bytes
+    from moepipe.checkpoints.dtypes import F16
 
     x = torch.cat([torch.randn(20000) * 10, torch.tensor(
         [float("inf"), -float("inf"), 0.0, -0.0, 1.00390625, 1.01171875, 3.4e38, 1e-40, 7e4])])
@@ -63,22 +66,22 @@ def test_dtype_conversion_matches_torch_bit_for_bit():
 def test_bf16_to_f32_is_exact_for_every_bit_pattern_with_and_without_numpy():
     """Every bfloat16 bit pattern (NaNs and infinities included) widens to the float32 torch
     gives, both on the small-cast path that needs no numpy and on the numpy path."""
-    from moepipe.checkpoints import st_io
+    from moepipe.checkpoints import casts
 
     bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).repeat(3)
     want = bits.view(torch.bfloat16).float().view(torch.uint8).numpy().tobytes()
     raw = memoryview(bits.view(torch.uint8).numpy())
-    assert raw.nbytes > st_io._SMALL_CAST  # the whole table at once: numpy
-    assert bytes(st_io.convert_bytes(raw, BF16, F32)) == want
+    assert raw.nbytes > casts._SMALL_CAST  # the whole table at once: numpy
+    assert bytes(casts.convert_bytes(raw, BF16, F32)) == want
     step = 4096
-    small = b"".join(bytes(st_io.convert_bytes(raw[i:i + step], BF16, F32))
+    small = b"".join(bytes(casts.convert_bytes(raw[i:i + step], BF16, F32))
                      for i in range(0, raw.nbytes, step))
     assert small == want
 
 
 def test_a_small_bf16_cast_does_not_import_numpy():
     """A conversion that only copies bytes and widens a bf16 router starts without numpy."""
-    code = ("import sys; from moepipe.checkpoints.st_io import BF16, F32, convert_bytes; "
+    code = ("import sys; from moepipe.checkpoints.dtypes import BF16, F32; from moepipe.checkpoints.casts import convert_bytes; "
             "out = convert_bytes(memoryview(bytes(range(256)) * 64), BF16, F32); "
             "assert len(out) == 32768; print('numpy' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -118,9 +121,9 @@ def test_copied_ranges_give_the_same_file_and_digest(tmp_path, monkeypatch, kern
 def test_writer_hashes_what_it_wrote_even_far_behind(tmp_path, monkeypatch):
     """The digest is of the file as written (hashed from the file, behind the writer); a
     writer far ahead of its hasher waits for it, and the digest is still right."""
-    from moepipe.checkpoints import st_io
+    from moepipe.checkpoints import writer
 
-    monkeypatch.setattr(st_io, "_HASH_LAG", 1000)
+    monkeypatch.setattr(writer, "_HASH_LAG", 1000)
     payload = os.urandom(64 * 1000 + 4)
     src = tmp_path / "src.bin"
     src.write_bytes(payload)
@@ -160,14 +163,14 @@ def test_output_space_is_reserved_up_front(tmp_path, monkeypatch, outcome):
     import ctypes
     import errno
 
-    from moepipe.checkpoints import st_io
+    from moepipe.checkpoints import writer
 
     x = torch.randn(64, 33)
     if outcome != "reserved":
         def refuse(fd, mode, offset, nbytes):
             ctypes.set_errno(errno.EOPNOTSUPP if outcome == "unsupported" else errno.ENOSPC)
             return -1
-        monkeypatch.setattr(st_io, "_fallocate", refuse)
+        monkeypatch.setattr(writer, "_fallocate", refuse)
     path = tmp_path / "o.safetensors"
     if outcome == "disk full":
         with pytest.raises(OSError) as e:

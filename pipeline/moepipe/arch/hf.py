@@ -12,7 +12,7 @@ from moepipe.arch.spec import ModelSpec
 from moepipe.checkpoints.fp8_block import Fp8BlockReader, block_size
 from moepipe.checkpoints.modelopt import QuantInfo
 from moepipe.checkpoints.mxfp4 import MXFP4_ARCHITECTURES, Mxfp4Reader
-from moepipe.checkpoints.st_io import CheckpointReader
+from moepipe.checkpoints.reader import CheckpointReader
 from moepipe.errors import CheckpointError, UnsupportedError
 from moepipe.utils.fs import read_json
 

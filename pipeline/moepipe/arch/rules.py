@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from moepipe.arch.geometry import COLUMN, REPLICATED, ROW, Geometry, Part, Zeros, chunk
-from moepipe.checkpoints.st_io import F32, DType
+from moepipe.checkpoints.dtypes import F32, DType
 
 if TYPE_CHECKING:
 

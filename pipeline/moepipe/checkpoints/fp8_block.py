@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from moepipe.checkpoints.st_io import CheckpointReader
+from moepipe.checkpoints.reader import CheckpointReader
 from moepipe.errors import CheckpointError, UnsupportedError
 
 SCALE_SUFFIX = "_scale_inv"

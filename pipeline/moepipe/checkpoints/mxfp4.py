@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from moepipe.checkpoints.st_io import F32, CheckpointReader, TensorInfo
+from moepipe.checkpoints.dtypes import F32
+from moepipe.checkpoints.reader import CheckpointReader, TensorInfo
 from moepipe.errors import CheckpointError
 
 BLOCKS, SCALES = "_blocks", "_scales"

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 from moepipe.arch.geometry import COLUMN, ROW, Geometry, Part
 from moepipe.arch.rules import RankContext, Rule
+from moepipe.checkpoints.dtypes import DTYPES, F32, DType
 from moepipe.checkpoints.modelopt import AWQ, FP8, FP8_MAX, GROUP, SQ, QuantInfo
-from moepipe.checkpoints.st_io import DTYPES, F32, DType
 from moepipe.errors import MappingError, UnsupportedError
 
 

@@ -11,7 +11,7 @@ import torch
 
 from moepipe.arch import get_family_for_trtllm
 from moepipe.arch.family import Family, RuntimeFacts
-from moepipe.checkpoints.st_io import load_file
+from moepipe.checkpoints.reader import load_file
 from moepipe.errors import CheckpointError, UnsupportedError
 from moepipe.mapping import Mapping
 from moepipe.runtime.routing import RoutingSpec

@@ -26,21 +26,15 @@ from moepipe.arch.geometry import Zeros
 from moepipe.arch.hf import HFCheckpoint, open_hf_checkpoint
 from moepipe.arch.rules import RankContext, Rule, SliceRef
 from moepipe.arch.spec import ModelSpec
+from moepipe.checkpoints.casts import convert_bytes
 from moepipe.checkpoints.digest import ALGORITHM, file_digest
+from moepipe.checkpoints.dtypes import BF16, F16, F32, DType
 from moepipe.checkpoints.fp8_block import SCALE_SUFFIX, Fp8BlockReader
 from moepipe.checkpoints.hashcache import remember
 from moepipe.checkpoints.modelopt import QuantInfo
 from moepipe.checkpoints.mxfp4 import BLOCKS, SCALES
-from moepipe.checkpoints.st_io import (
-    BF16,
-    F16,
-    F32,
-    BufferPool,
-    CheckpointReader,
-    DType,
-    SafetensorsWriter,
-    convert_bytes,
-)
+from moepipe.checkpoints.reader import CheckpointReader
+from moepipe.checkpoints.writer import BufferPool, SafetensorsWriter
 from moepipe.config import MoepipeConfig
 from moepipe.errors import CheckpointError, ConfigError
 from moepipe.mapping import Mapping, check_mapping

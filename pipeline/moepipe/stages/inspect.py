@@ -13,7 +13,7 @@ from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.arch.mla import DeepseekSpec
 from moepipe.arch.targets import check_target
 from moepipe.checkpoints.mxfp4 import BLOCKS, SCALES
-from moepipe.checkpoints.st_io import CheckpointReader
+from moepipe.checkpoints.reader import CheckpointReader
 from moepipe.config import MoepipeConfig
 from moepipe.mapping import check_mapping, legal_mappings
 from moepipe.stages.base import BuildContext, Stage
