@@ -3,5 +3,5 @@
 ``common/`` holds the models every target shares (ensemble, preprocessing, postprocessing,
 tensorrt_llm_bls); ``targets/<target>/`` holds the target's ``tensorrt_llm`` model and extras.
 Files ending in ``.pbtxt``, ``.yaml`` and ``.sh`` are templates with ``${name}`` placeholders,
-rendered strictly by :mod:`moepipe.deploy.render`.
+rendered strictly by :mod:`moepipe.deploy.render.templates`.
 """
