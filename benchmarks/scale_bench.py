@@ -25,8 +25,9 @@ import numpy as np
 from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.checkpoints.dtypes import BF16
 from moepipe.checkpoints.writer import SafetensorsWriter
+from moepipe.conversion.plan import plan_conversion, unmapped_tensors
+from moepipe.conversion.write import convert_checkpoint
 from moepipe.mapping import Mapping
-from moepipe.stages.convert import convert_checkpoint, plan_conversion, unmapped_tensors
 
 LAYERS, HIDDEN, INTER, HEADS, KV, HEAD_DIM, VOCAB = 61, 64, 32, 4, 2, 16, 512
 SCALES = {"1x": 16, "4x": 64, "16x": 256}

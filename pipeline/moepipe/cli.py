@@ -80,7 +80,7 @@ def convert(model: Path = typer.Option(..., "--model", help="Hugging Face checkp
             workers: int = typer.Option(1, "--workers", help=field_help("convert.workers")),
             overwrite: bool = typer.Option(False, "--overwrite")) -> None:
     """Convert a Hugging Face MoE checkpoint into a sharded TensorRT-LLM checkpoint."""
-    from moepipe.stages.convert import convert as run_convert
+    from moepipe.conversion.write import convert as run_convert
 
     res = run_convert(model, output, dtype=dtype, tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep,
                       workers=workers, overwrite=overwrite)

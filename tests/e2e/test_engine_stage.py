@@ -18,6 +18,7 @@ import pytest
 
 from moepipe.arch import get_family
 from moepipe.config import parse_config
+from moepipe.conversion.write import convert
 from moepipe.deploy.render.repository import render_deployment
 from moepipe.deploy.render.targets import Artifacts
 from moepipe.errors import (
@@ -28,7 +29,6 @@ from moepipe.errors import (
     UnsupportedError,
 )
 from moepipe.mapping import Mapping
-from moepipe.stages.convert import convert
 from moepipe.stages.engine import build_engine_into
 from moepipe.trtllm.engine import (
     check_engine_limits,

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from moepipe.conversion.write import convert
 from moepipe.examples import family_examples
 from moepipe.runtime.checkpoint import load_checkpoint
 from moepipe.runtime.generate import generate
 from moepipe.runtime.model import Batch, ReferenceModel
-from moepipe.stages.convert import convert
 
 FAMILIES = list(family_examples().values())  # one example per registered family
 

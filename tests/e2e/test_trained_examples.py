@@ -28,9 +28,9 @@ def _digests(folder):
 
 def test_trained_mixtral_talks_and_its_conversion_matches_transformers(trained_mixtral, tmp_path):
     from moepipe.arch.hf import open_hf_checkpoint
+    from moepipe.conversion.write import convert_into
     from moepipe.examples.trained import training_text
     from moepipe.mapping import Mapping
-    from moepipe.stages.convert import convert_into
     from moepipe.validate.parity import check_parity
 
     ckpt = tmp_path / "checkpoint"
@@ -55,8 +55,8 @@ def test_every_trained_example_converts_to_transformers_logits(name, tmp_path):
     """Each trained example's exact config (sizes, MLA widths, sliding window, ...) converts and
     matches transformers at tp2/moe_ep2 - with seeded random weights: the suite trains only the
     Mixtral above (the trained weights of every example: benchmarks/train_bench.py's parity)."""
+    from moepipe.conversion.write import convert
     from moepipe.examples import write_example
-    from moepipe.stages.convert import convert
     from moepipe.validate.parity import check_parity
 
     folder = write_example(name, tmp_path / name, untrained=True)

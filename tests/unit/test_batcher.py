@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from moepipe.conversion.write import convert
 from moepipe.runtime import model as runtime_model
 from moepipe.runtime.checkpoint import load_checkpoint
 from moepipe.runtime.generate import generate
@@ -14,7 +15,6 @@ from moepipe.runtime.model import Batch, ReferenceModel
 from moepipe.runtime.sampling import SamplingParams
 from moepipe.serving.batcher import Batcher
 from moepipe.serving.request import GenerationRequest, RequestError
-from moepipe.stages.convert import convert
 
 PROMPTS = [[54, 260, 402, 305, 77], [7, 300, 33, 41, 120, 9, 256, 12, 99], [3], [400] * 20]
 

@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from moepipe.arch import get_family
 from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.checkpoints.reader import CheckpointReader
+from moepipe.conversion.plan import plan_conversion, unmapped_tensors
 from moepipe.examples import family_examples
 from moepipe.mapping import Mapping
-from moepipe.stages.convert import plan_conversion, unmapped_tensors
 
 FAMILIES = list(family_examples().values())  # one example per registered family
 

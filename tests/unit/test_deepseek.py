@@ -25,9 +25,9 @@ import torch
 from meta_reader import MetaReader
 from safetensors.torch import load_file
 
+from moepipe.conversion.write import convert
 from moepipe.runtime.checkpoint import load_checkpoint
 from moepipe.runtime.model import Batch, ReferenceModel
-from moepipe.stages.convert import convert
 
 PROMPT = [54, 260, 402, 305, 77, 445, 510, 271, 494, 12, 99, 300]
 DIMS = dict(heads=4, nope=16, rope=8, v=16, kv_lora=32, dense=1, experts=8)
@@ -284,10 +284,10 @@ def test_full_width_deepseek_v3_plans_to_the_planners_bytes():
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     from moepipe.arch import get_family
+    from moepipe.conversion.plan import plan_conversion
     from moepipe.mapping import Mapping
     from moepipe.planner.shapes import model_shape
     from moepipe.planner.weights import Sharding, stage_weight_bytes
-    from moepipe.stages.convert import plan_conversion
 
     path = Path(__file__).parents[2] / "pipeline/moepipe/planner/configs/deepseek-v3.json"
     cfg = {**json.loads(path.read_text()), "num_hidden_layers": 5}

@@ -8,7 +8,7 @@ import pytest
 
 from moepipe.checkpoints import hashcache
 from moepipe.checkpoints.digest import file_digest
-from moepipe.stages.convert import convert
+from moepipe.conversion.write import convert
 
 
 def _b3(data: bytes) -> str:
@@ -27,16 +27,16 @@ def test_converter_outputs_need_no_second_read(examples, tmp_path, monkeypatch):
     monkeypatch.setattr(hashcache, "_hash_file", no_read)
     for rank in range(2):
         path = moved / f"rank{rank}.safetensors"
-        assert hashcache.file_digest(path) == _b3(path.read_bytes())
+        assert hashcache.cached_digest(path) == _b3(path.read_bytes())
 
 
 def test_a_changed_file_is_hashed_again(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"abc")
     hashcache.remember(path, "0" * 64)
-    assert hashcache.file_digest(path) == "0" * 64
+    assert hashcache.cached_digest(path) == "0" * 64
     path.write_bytes(b"abcd")  # size (and mtime) change: the record no longer applies
-    assert hashcache.file_digest(path) == _b3(b"abcd")
+    assert hashcache.cached_digest(path) == _b3(b"abcd")
 
 
 def test_file_digests_are_blake3_or_named_sha256(tmp_path):
@@ -56,7 +56,7 @@ def test_small_files_are_still_hashed_on_demand(examples, tmp_path, name):
     out = tmp_path / "ckpt"
     convert(examples["tiny-mixtral"], out)
     data = (out / name).read_bytes()
-    assert hashcache.file_digest(out / name) == _b3(data)
+    assert hashcache.cached_digest(out / name) == _b3(data)
 
 
 def test_stage_records_of_older_versions_are_checked_with_sha256(tmp_path):

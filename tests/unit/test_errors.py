@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
+from moepipe.conversion.write import convert
 from moepipe.errors import CheckpointError, MappingError, MoepipeError, UnsupportedError
-from moepipe.stages.convert import convert
 
 
 @pytest.fixture

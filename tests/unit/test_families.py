@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, GptOssConfig, OlmoeConfig
 from moepipe.arch import get_family
 from moepipe.arch.targets import check_target
 from moepipe.config import parse_config
+from moepipe.conversion.plan import plan_conversion, unmapped_tensors
 from moepipe.errors import UnsupportedError
 from moepipe.mapping import Mapping
-from moepipe.stages.convert import plan_conversion, unmapped_tensors
 
 # allenai/OLMoE-1B-7B-0924 config.json (the fields that shape tensors)
 OLMOE_1B_7B = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
@@ -141,7 +141,7 @@ def test_gpt_oss_mxfp4_converts_exactly_as_transformers_dequantizes(mapping, exa
     """OpenAI's MXFP4 experts are read dequantized: the converted ranks are byte-identical to
     converting the weights transformers dequantizes (integrations/mxfp4.py); FP4 x 2^k is exact
     in float32, so nothing is lost."""
-    from moepipe.stages.convert import convert
+    from moepipe.conversion.write import convert
 
     packed, plain = _mxfp4_pair(examples["tiny-gpt-oss"], tmp_path)
     a = convert(packed, tmp_path / "a", **mapping)
@@ -154,9 +154,9 @@ def test_gpt_oss_mxfp4_logits_match_transformers_own_mxfp4_loader(examples, tmp_
     converted by moepipe (tp=2, moe_ep=2) gives the same logits."""
     from transformers import Mxfp4Config
 
+    from moepipe.conversion.write import convert
     from moepipe.runtime.checkpoint import load_checkpoint
     from moepipe.runtime.model import Batch, ReferenceModel
-    from moepipe.stages.convert import convert
 
     packed, _ = _mxfp4_pair(examples["tiny-gpt-oss"], tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moepipe.stages.convert import convert
+from moepipe.conversion.write import convert
 
 
 def _hf(folder):

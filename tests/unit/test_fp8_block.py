@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from moepipe.conversion.write import convert
 from moepipe.runtime.checkpoint import load_checkpoint
 from moepipe.runtime.model import Batch, ReferenceModel
-from moepipe.stages.convert import convert
 
 BLOCK = 16  # DeepSeek publishes 128 x 128; tiny matrices need small blocks to have several
 
@@ -116,8 +116,8 @@ def test_bad_fp8_scales_are_one_line_errors(fp8_pair, tmp_path):
 
 
 def test_host_memory_estimate_covers_dequantizing_the_largest_fp8_matrix(fp8_pair):
+    from moepipe.conversion.write import BLOCK_BYTES, CONVERT_BASE, convert_memory
     from moepipe.mapping import Mapping
-    from moepipe.stages.convert import BLOCK_BYTES, CONVERT_BASE, convert_memory
 
     fp8, plain = fp8_pair
     largest = max(w.numel() for n, w in load_file(fp8 / "model.safetensors").items()

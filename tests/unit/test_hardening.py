@@ -154,7 +154,7 @@ def model(examples, tmp_path):
 def test_dtype_relabelled_at_the_same_size_is_caught_while_planning(model, tmp_path,
                                                                     monkeypatch):
     from moepipe.checkpoints.writer import SafetensorsWriter
-    from moepipe.stages.convert import convert
+    from moepipe.conversion.write import convert
 
     f = model / "model.safetensors"
     data = bytearray(f.read_bytes())
@@ -265,3 +265,27 @@ def test_untouched_outputs_are_not_hashed_again(tmp_path, monkeypatch):
     monkeypatch.setattr(hashcache, "_hash_file", lambda p: pytest.fail(f"hashed {p}"))
     manifest = run_build(path, echo=lambda s: None)
     assert {s["status"] for s in manifest["stages"]} == {"reused"}
+
+
+def test_the_convert_disk_estimate_reads_the_checkpoint_once(tmp_path, examples, monkeypatch):
+    """The pre-flight disk estimate of the convert stage (the source's weights, scaled to the
+    output dtype) opens the source checkpoint once, however many facts it needs of it."""
+    from moepipe.arch.hf import open_hf_checkpoint
+    from moepipe.config import parse_config
+    from moepipe.stages import convert
+    from moepipe.stages.base import BuildContext
+    from moepipe.stages.source import STAGE as SOURCE
+
+    opened = []
+    monkeypatch.setattr(convert, "open_hf_checkpoint",
+                        lambda path: opened.append(path) or open_hf_checkpoint(path))
+    model = examples["tiny-mixtral"]
+    cfg = parse_config({"model": {"path": str(model), "dtype": "float16"},
+                        "workdir": str(tmp_path / "work")})
+    ctx = BuildContext(cfg, echo=lambda text: None)
+    ctx.add(SOURCE, model)
+    weights = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    source_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[
+        open_hf_checkpoint(model).spec.torch_dtype]
+    assert convert.STAGE.disk(ctx) == int(weights * 2 / source_bytes * 1.05) + (1 << 20)
+    assert opened == [model]

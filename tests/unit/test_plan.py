@@ -10,6 +10,7 @@ import yaml
 
 from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.checkpoints.reader import CheckpointReader
+from moepipe.conversion.plan import plan_conversion
 from moepipe.errors import MoepipeError
 from moepipe.examples import family_examples
 from moepipe.mapping import legal_mappings
@@ -19,7 +20,6 @@ from moepipe.planner.hardware import parse_cluster
 from moepipe.planner.plan import PUBLISHED, load_model, make_plan
 from moepipe.planner.shapes import READERS, model_shape
 from moepipe.planner.weights import Sharding, model_bytes, stage_weight_bytes
-from moepipe.stages.convert import plan_conversion
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from moepipe.conversion.write import convert
 from moepipe.errors import UnsupportedError
-from moepipe.stages.convert import convert
 
 GOLDEN = Path(__file__).resolve().parents[1] / "oracle" / "golden"
 CASES = [(case, tp) for case in ("fp8", "fp8_kv", "int8_sq", "int4_awq") for tp in (1, 2)]

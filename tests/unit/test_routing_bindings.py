@@ -42,9 +42,9 @@ def test_torch_op_schema_and_fake_implementation():
 
 @pytest.fixture(scope="module")
 def mixtral(examples, tmp_path_factory):
+    from moepipe.conversion.write import convert
     from moepipe.runtime.checkpoint import load_checkpoint
     from moepipe.runtime.model import ReferenceModel
-    from moepipe.stages.convert import convert
 
     out = tmp_path_factory.mktemp("routing") / "ckpt"
     convert(examples["tiny-mixtral"], out)

@@ -51,7 +51,7 @@ def lookup(path: Path) -> str | None:
     return None
 
 
-def file_digest(path: Path) -> str:
+def cached_digest(path: Path) -> str:
     """BLAKE3 of ``path`` (hex), from the cache when the file is unchanged; computed and
     remembered otherwise."""
     path = Path(path).resolve()

@@ -35,8 +35,6 @@ HF_IDS = {"Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1", "Qwen3-30B-A3B": "Qwen/
           "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B", "DeepSeek-V3": "deepseek-ai/DeepSeek-V3"}
 GOALS = ("throughput", "latency")
 TARGETS = ("cpu", "trtllm-engine", "trtllm-pytorch")
-CONVERT_BASE = 150 << 20  # moepipe.preflight.CONVERT_BASE
-CONVERT_BLOCKS = 16 << 20  # 16 blocks of 1 MiB in flight
 
 
 @dataclass
@@ -96,9 +94,10 @@ def host_memory(model: ModelShape) -> dict[str, int]:
     """Peak host RAM of the build stages: convert (streams; a column slice reads a whole
     tensor, cut and cast: three copies of the largest) and quantize (modelopt holds the model in
     float32: ``moepipe.stages.quantize.quantize_memory``)."""
+    from moepipe.conversion.write import peak_memory
     from moepipe.stages.quantize import quantize_memory
 
-    return {"convert": CONVERT_BASE + CONVERT_BLOCKS + 3 * model.largest_tensor_bytes(),
+    return {"convert": peak_memory(model.largest_tensor_bytes()),
             "quantize": quantize_memory(model.parameters())}
 
 

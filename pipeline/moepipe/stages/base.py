@@ -68,13 +68,20 @@ class BuildContext:
         return next((self.outputs[n] for n, hf in self.hf_outputs.items() if hf), None)
 
     @property
-    def model_dir(self) -> Path:
-        """The Hugging Face checkpoint the model stages read: the latest one (quantized when
-        the config asks for it)."""
+    def latest_hf_checkpoint(self) -> Path | None:
+        """The latest Hugging Face checkpoint of the build (quantized when the config asks for
+        it); None while no stage has produced one (a plan made before the build runs)."""
         latest = [self.outputs[n] for n, hf in self.hf_outputs.items() if hf]
-        if not latest:
-            raise KeyError("no stage has produced a Hugging Face checkpoint yet")
-        return latest[-1]
+        return latest[-1] if latest else None
+
+    @property
+    def model_dir(self) -> Path:
+        """The Hugging Face checkpoint the model stages read (:attr:`latest_hf_checkpoint`,
+        which the source stage always produces before them)."""
+        latest = self.latest_hf_checkpoint
+        if latest is None:
+            raise RuntimeError("no stage has produced a Hugging Face checkpoint yet")  # a bug
+        return latest
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moepipe.utils.fs import STAGE_FILE
 from moepipe.utils.oserrors import check_disk_space
 
 if TYPE_CHECKING:
     from moepipe.stages.base import BuildContext, Stage
 
-STAGE_FILE = "moepipe-stage.json"
 
 
 def _files(folder: Path) -> list[Path]:
@@ -83,12 +83,12 @@ def recorded_digests(folder: Path) -> dict[str, str]:
     """relative path -> BLAKE3 of a verified output (from its record; an older record, which
     lists sha256 or nothing, is hashed once through the hash cache)."""
     from moepipe.checkpoints.digest import ALGORITHM
-    from moepipe.checkpoints.hashcache import file_digest
+    from moepipe.checkpoints.hashcache import cached_digest
 
     files = (read_record(folder) or {}).get("files")
     if isinstance(files, dict) and all(ALGORITHM in info for info in files.values()):
         return {rel: info[ALGORITHM] for rel, info in sorted(files.items())}
-    return {str(p.relative_to(folder)): file_digest(p) for p in _files(folder)}
+    return {str(p.relative_to(folder)): cached_digest(p) for p in _files(folder)}
 
 
 def check_stage_disk(ctx: BuildContext, stage: Stage, output: Path) -> int | None:

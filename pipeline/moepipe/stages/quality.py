@@ -40,8 +40,8 @@ def measure_quality(source: Path, quantized: Path, checkpoint: Path | None,
     if checkpoint is not None:
         return _measure(source, quantized, checkpoint, trust_remote_code, step)
     from moepipe.arch.hf import open_hf_checkpoint
+    from moepipe.conversion.write import convert_into
     from moepipe.mapping import Mapping
-    from moepipe.stages.convert import convert_into
 
     with tempfile.TemporaryDirectory(prefix="moepipe-quality-") as tmp:
         out = Path(tmp) / "checkpoint"

@@ -255,9 +255,9 @@ def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
     q = cfg.quantize
     cal = q.calibration.model_dump(mode="json")
     if q.calibration.dataset is not None:  # the data, not where it lives, shapes the output
-        from moepipe.checkpoints.hashcache import file_digest
+        from moepipe.checkpoints.hashcache import cached_digest
 
-        cal["dataset"] = file_digest(q.calibration.dataset) \
+        cal["dataset"] = cached_digest(q.calibration.dataset) \
             if q.calibration.dataset.is_file() else str(q.calibration.dataset)
     return {"format": q.format, "kv_cache": q.kv_cache, "calibration": cal,
             "trust_remote_code": cfg.model.trust_remote_code}

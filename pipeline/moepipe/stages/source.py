@@ -44,13 +44,13 @@ def _files(cfg: MoepipeConfig) -> dict[str, Any]:
     """BLAKE3 of every file of a user's checkpoint folder (remembered by stat signature)."""
     if cfg.model.path is None:
         return {}
-    from moepipe.checkpoints.hashcache import file_digest
+    from moepipe.checkpoints.hashcache import cached_digest
 
     path = cfg.model.path
     if not path.is_dir():
         raise MoepipeError(f"{path}: no such directory",
                            "model.path must be a Hugging Face checkpoint folder")
-    return {"blake3": {p.name: file_digest(p) for p in sorted(path.iterdir()) if p.is_file()}}
+    return {"blake3": {p.name: cached_digest(p) for p in sorted(path.iterdir()) if p.is_file()}}
 
 
 def source_spec(ctx: BuildContext):

@@ -13,6 +13,10 @@ from typing import Any
 
 from moepipe.errors import MoepipeError
 
+# The build's record in a finished stage's folder (written by moepipe.stages.integrity):
+# bookkeeping, not model data, so digests of a folder's model files leave it out.
+STAGE_FILE = "moepipe-stage.json"
+
 
 def cache_root() -> Path:
     """moepipe's per-machine cache: ``$MOEPIPE_CACHE_DIR``, else ``~/.cache/moepipe``."""
