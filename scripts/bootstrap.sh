@@ -15,5 +15,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   "${PIP[@]}" install "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
 fi
+# setuptools reuses ./build/lib: a module deleted from the tree would otherwise still ship
+rm -rf build
 "${PIP[@]}" install ".[${MOEPIPE_EXTRAS:-all}]" 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -c "import moepipe, torch; print(f'moepipe {moepipe.__version__} (torch {torch.__version__}) in $VENV')"
