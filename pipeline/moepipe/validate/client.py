@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moepipe.utils.sse import SSEParser
+
 
 class ClientError(RuntimeError):
     """The server answered with an error (message as the server gave it)."""
@@ -51,22 +53,26 @@ def generate_stream(url: str, model: str, payload: dict, timeout: float = 60) ->
     req = urllib.request.Request(_http_base(url) + f"/v2/models/{model}/generate_stream",
                                  data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
-    events = []
+    events: list[dict] = []
+    parser = SSEParser()
+
+    def add(found: list) -> None:
+        for event in found:
+            data = json.loads(event.data)
+            if "error" in data:
+                raise ClientError(data["error"])
+            events.append(data)
+
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if line.startswith("data:"):
-                    event = json.loads(line[5:])
-                    if "error" in event:
-                        raise ClientError(event["error"])
-                    events.append(event)
+            # pieces as they arrive: the parser finds the events whatever their boundaries
+            while piece := r.read1(1 << 16):
+                add(parser.feed(piece))
+            add(parser.close())
     except urllib.error.HTTPError as e:
-        body = e.read().decode()
-        for line in body.splitlines():
-            if line.startswith("data:"):
-                raise ClientError(json.loads(line[5:]).get("error", line)) from None
-        raise ClientError(f"HTTP {e.code}: {body[:200]}") from None
+        body = e.read()
+        add([*parser.feed(body), *parser.close()])  # an error event raises
+        raise ClientError(f"HTTP {e.code}: {body[:200].decode(errors='replace')}") from None
     return events
 
 

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from moepipe.validate import http1
+
 # Request outcomes. "rejected": the server refused it as busy (bounded queue); "failed": any
 # other server or transport error; "timeout": no final response within the per-request limit;
 # "not_sent": the client's own in-flight limit (open loop only).
@@ -253,35 +255,37 @@ class _HttpClient:
                          + body)
             await writer.drain()
             s.wrote = self.now()
-            code = int((await reader.readline()).split()[1])
-            error = ""
-            while line := await reader.readline():
-                if line.strip() == b"0":  # the last chunk: the server may keep the socket open
-                    break
-                if line.startswith(b"data:"):
-                    event = json.loads(line[5:])
-                    now = self.now()
-                    if "error" in event:
-                        error = str(event["error"])
-                        break
-                    s.responses += 1
-                    s.done = now
-                    if event.get("text_output") and s.first is None:
-                        s.first = now
-                    n = event.get("num_output_tokens")
-                    n = n[0] if isinstance(n, list) else n
-                    if n is not None:  # per response when streaming, as over gRPC
-                        s.tokens += int(n)
-                elif code != 200 and line.startswith(b"{"):
-                    error = str(json.loads(line).get("error", line.decode()))
-            if error or code != 200:
-                s.status, s.error, s.done = classify(error), error or f"HTTP {code}", self.now()
+            code, headers = await http1.read_head(reader)
+            if code != 200:  # refused before streaming: one JSON error
+                error = http1.error_text(await http1.read_body(reader, headers)) or \
+                    f"HTTP {code}"
+            else:
+                error = await self._events(reader, headers, s)
+            if error:
+                s.status, s.error, s.done = classify(error), error, self.now()
             elif s.responses:
                 s.status = "ok"
             else:
                 s.status, s.error = "failed", "the stream ended without a response"
         finally:
             writer.close()
+
+    async def _events(self, reader: asyncio.StreamReader, headers: dict[str, str],
+                      s: Sample) -> str:
+        """Record the streamed responses on ``s``; the text of an error event, if one came."""
+        async for event in http1.json_events(reader, headers):
+            if "error" in event:
+                return str(event["error"]) or "error"
+            now = self.now()
+            s.responses += 1
+            s.done = now
+            if event.get("text_output") and s.first is None:  # TTFT: the first non-empty event
+                s.first = now
+            n = event.get("num_output_tokens")
+            n = n[0] if isinstance(n, list) else n
+            if n is not None:  # per response when streaming, as over gRPC
+                s.tokens += int(n)
+        return ""
 
     async def close(self) -> None:
         """Nothing to close: every request has its own connection."""
