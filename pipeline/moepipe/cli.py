@@ -7,30 +7,70 @@ exit non-zero; anything else is a bug and shows a traceback with ``--debug``.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
-import os
 import sys
+import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import typer
 
-from moepipe.config import field_help
+from moepipe import __version__
+from moepipe.config import Dtype, JobName, KvCacheFormat, QuantFormat, Target, field_help
 from moepipe.errors import ConfigError, MoepipeError
 from moepipe.examples import EXAMPLES
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# Choices typer checks, lists in --help and completes in the shell. The config's own come from
+# the config model; these are the registries' (tests/unit/test_cli_choices.py holds them equal).
+StageName = Literal["source", "inspect", "quantize", "convert", "quality", "engine"]
+Goal = Literal["throughput", "latency"]
+PlanFormat = Literal["auto", "none", "fp8", "fp8_block", "int8_sq", "int4_awq", "w4a8_awq",
+                     "nvfp4"]
+
+
+def _choices(name: str, values: Iterable[str]) -> type[enum.Enum]:
+    """String choices of a repeatable option (typer takes lists of enums, not of literals)."""
+    return enum.Enum(name, {v: v for v in values}, type=str)  # type: ignore[return-value]
+
+
+def _values(items: Iterable[Any] | None) -> tuple[str, ...]:
+    return tuple(getattr(i, "value", i) for i in items or ())
+
+
+if TYPE_CHECKING:  # what the command functions receive
+    ExampleName: TypeAlias = str
+    StageChoice: TypeAlias = str
+    JobChoice: TypeAlias = str
+else:
+    ExampleName = Literal[tuple(EXAMPLES)]
+    StageChoice = _choices("Stage", typing.get_args(StageName))
+    JobChoice = _choices("Job", typing.get_args(JobName))
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Mixture-of-Experts LLMs: Hugging Face checkpoint -> TensorRT-LLM -> "
                        "validated Triton deployment.")
 _state = {"debug": False}
 
 ConfigOpt = typer.Option(None, "-c", "--config", help="Pipeline config (default ./moepipe.yaml).")
+JsonOpt = typer.Option(False, "--json", help="One JSON object on stdout (messages go to "
+                                             "stderr).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"moepipe {__version__}")
+        raise typer.Exit()
 
 
 @app.callback()
 def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
           verbose: bool = typer.Option(False, "-v", "--verbose", help="Log progress."),
-          quiet: bool = typer.Option(False, "-q", "--quiet", help="Only errors.")) -> None:
+          quiet: bool = typer.Option(False, "-q", "--quiet", help="Only errors."),
+          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
     _state["debug"] = debug
     level = logging.DEBUG if debug else logging.INFO if verbose else \
         logging.ERROR if quiet else logging.WARNING
@@ -43,8 +83,22 @@ def _echo(text: str = "") -> None:
         typer.echo(text)
 
 
+def _say(as_json: bool) -> Callable[[str], None]:
+    """Where a command's messages go: stdout, or stderr when stdout carries its JSON."""
+    def to_stderr(text: str = "") -> None:
+        if not _state.get("quiet"):
+            typer.echo(text, err=True)
+
+    return to_stderr if as_json else _echo
+
+
+def _emit(obj: Any) -> None:
+    """The one JSON object of a ``--json`` command, on stdout."""
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
 @app.command()
-def example(name: str = typer.Argument(..., help=" | ".join(EXAMPLES)),
+def example(name: ExampleName = typer.Argument(..., help="A built-in example."),
             out: Path = typer.Option(..., "--out", help="Folder to create."),
             overwrite: bool = typer.Option(False, "--overwrite")) -> None:
     """Write a built-in tiny checkpoint (HF format, with a real tokenizer): seeded random
@@ -70,7 +124,7 @@ def inspect_cmd(model: Path = typer.Argument(..., help="Hugging Face checkpoint 
 @app.command()
 def convert(model: Path = typer.Option(..., "--model", help="Hugging Face checkpoint folder."),
             output: Path = typer.Option(..., "--output", help="TensorRT-LLM checkpoint folder."),
-            dtype: str = typer.Option("auto", "--dtype", help=field_help("model.dtype")),
+            dtype: Dtype = typer.Option("auto", "--dtype", help=field_help("model.dtype")),
             tp: int = typer.Option(1, "--tp", help=field_help("parallel.tp")),
             pp: int = typer.Option(1, "--pp", help=field_help("parallel.pp")),
             moe_tp: int | None = typer.Option(None, "--moe-tp",
@@ -78,13 +132,19 @@ def convert(model: Path = typer.Option(..., "--model", help="Hugging Face checkp
             moe_ep: int | None = typer.Option(None, "--moe-ep",
                                               help=field_help("parallel.moe_ep")),
             workers: int = typer.Option(1, "--workers", help=field_help("convert.workers")),
-            overwrite: bool = typer.Option(False, "--overwrite")) -> None:
+            overwrite: bool = typer.Option(False, "--overwrite"),
+            as_json: bool = JsonOpt) -> None:
     """Convert a Hugging Face MoE checkpoint into a sharded TensorRT-LLM checkpoint."""
     from moepipe.conversion.write import convert as run_convert
 
     res = run_convert(model, output, dtype=dtype, tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep,
                       workers=workers, overwrite=overwrite)
     m = res.plan.mapping
+    if as_json:
+        _emit({"output": str(output.resolve()), "world_size": m.world_size, "tp": m.tp,
+               "pp": m.pp, "moe_tp": m.moe_tp, "moe_ep": m.moe_ep, "dtype": res.plan.dtype,
+               "bytes_written": res.bytes_written, "seconds": round(res.seconds, 3)})
+        return
     _echo(f"wrote {output}: {m.world_size} rank(s) ({m.describe()}), {res.plan.dtype}, "
           f"{res.bytes_written / 2**20:.1f} MiB in {res.seconds:.2f}s")
 
@@ -119,16 +179,18 @@ def parity(hf: Path = typer.Option(..., "--hf", help="Source Hugging Face checkp
 
 @app.command()
 def init(model: Path | None = typer.Option(None, "--model", help=field_help("model.path")),
-         example_name: str | None = typer.Option(None, "--example",
-                                                    help=f"{field_help('model.example')} "
-                                                         f"(choices: {' | '.join(EXAMPLES)})"),
-         target: str = typer.Option("cpu", "--target", help=field_help("target")),
+         example_name: ExampleName | None = typer.Option(
+             None, "--example", metavar="NAME",
+             help=f"{field_help('model.example')} (`moepipe example --help` lists them)"),
+         target: Target = typer.Option("cpu", "--target", help=field_help("target")),
          tp: int = typer.Option(1, "--tp", help=field_help("parallel.tp")),
          pp: int = typer.Option(1, "--pp", help=field_help("parallel.pp")),
          moe_tp: int | None = typer.Option(None, "--moe-tp", help=field_help("parallel.moe_tp")),
          moe_ep: int | None = typer.Option(None, "--moe-ep", help=field_help("parallel.moe_ep")),
-         quantize: str = typer.Option("none", "--quantize", help=field_help("quantize.format")),
-         kv_cache: str = typer.Option("none", "--kv-cache", help=field_help("quantize.kv_cache")),
+         quantize: QuantFormat = typer.Option("none", "--quantize",
+                                              help=field_help("quantize.format")),
+         kv_cache: KvCacheFormat = typer.Option("none", "--kv-cache",
+                                                help=field_help("quantize.kv_cache")),
          use_plan: bool = typer.Option(False, "--plan", help="Fill parallel and build limits "
                                        "from the best `moepipe plan` for --cluster."),
          cluster: str = typer.Option("8xH100", "--cluster", help="With --plan: GPUSxKIND or "
@@ -136,43 +198,41 @@ def init(model: Path | None = typer.Option(None, "--model", help=field_help("mod
                                      "L40S)."),
          isl: int = typer.Option(2048, "--isl", help="With --plan: input tokens per request."),
          osl: int = typer.Option(512, "--osl", help="With --plan: output tokens per request."),
-         goal: str = typer.Option("throughput", "--goal", help="With --plan: throughput | "
-                                  "latency."),
+         goal: Goal = typer.Option("throughput", "--goal", help="With --plan: what to rank "
+                                   "by."),
          force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
          config: Path = typer.Option(Path("moepipe.yaml"), "-c", "--config",
-                                     help="File to write.")) -> None:
-    """Write a commented moepipe.yaml in the current directory."""
-    from moepipe.commands.init import render_init
+                                     help="File to write."),
+         as_json: bool = JsonOpt) -> None:
+    """Write a commented moepipe.yaml here, and its JSON Schema beside it for editors."""
+    from moepipe.commands.init import run_init
+
+    made = run_init(config, model=model, example=example_name, target=target, tp=tp, pp=pp,
+                    moe_tp=moe_tp, moe_ep=moe_ep, quantize=quantize, kv_cache=kv_cache,
+                    force=force, plan={"cluster": cluster, "isl": isl, "osl": osl,
+                                       "goal": goal} if use_plan else None)
+    say, par = _say(as_json), made["parallel"]
+    if made["note"]:
+        say(f"parallel: tp={par['tp']} pp={par['pp']} moe_tp={par['moe_tp']} moe_ep="
+            f"{par['moe_ep']} attention_dp={str(par['attention_dp']).lower()} ({made['note']})")
+    say(f"wrote {config} (and its schema {Path(made['schema']).name}); next: moepipe build")
+    if as_json:
+        _emit(made)
+
+
+@app.command()
+def schema(out: Path | None = typer.Option(None, "--out", help="Write it to this file "
+                                           "(default: stdout).")) -> None:
+    """The JSON Schema of moepipe.yaml, from the config model (editors, CI checks)."""
+    from moepipe.commands.init import config_schema
     from moepipe.utils.fs import write_text_atomic
 
-    if (model is None) == (example_name is None):
-        raise MoepipeError("give exactly one of --model DIR or --example NAME")
-    if config.exists() and not force:
-        raise MoepipeError(f"{config}: already exists", "pass --force to overwrite it")
-    if model is not None and not (model / "config.json").is_file():
-        raise MoepipeError(f"{model}: not a Hugging Face checkpoint folder (no config.json)")
-    path_text = None
-    if model is not None:
-        path_text = os.path.relpath(model.resolve(), config.resolve().parent)
-    build, note, attention_dp = None, None, False
-    if use_plan:
-        from moepipe.commands.plan import PlanRequest, init_values, run_plan
-
-        chosen = init_values(run_plan(PlanRequest(
-            str(model) if model is not None else str(example_name), cluster=cluster, isl=isl,
-            osl=osl, goal=goal, quantize="auto" if quantize == "none" else quantize,
-            kv_cache=kv_cache, target=target)))
-        par, build, note = chosen["parallel"], chosen["build"], chosen["note"]
-        tp, pp, moe_tp, moe_ep = par["tp"], par["pp"], par["moe_tp"], par["moe_ep"]
-        attention_dp = par["attention_dp"]
-    text = render_init(model_path=path_text, example=example_name, target=target, tp=tp,
-                       pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, quantize=quantize,
-                       kv_cache=kv_cache, build=build, note=note, attention_dp=attention_dp)
-    write_text_atomic(config, text)
-    if note:
-        _echo(f"parallel: tp={tp} pp={pp} moe_tp={moe_tp} moe_ep={moe_ep} attention_dp="
-              f"{str(attention_dp).lower()} ({note})")
-    _echo(f"wrote {config}; next: moepipe build")
+    text = json.dumps(config_schema(), indent=2) + "\n"
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    write_text_atomic(out, text)
+    _echo(f"wrote {out}")
 
 
 @app.command("plan")
@@ -184,15 +244,15 @@ def plan_cmd(model: str = typer.Argument(..., help="Checkpoint folder, config.js
                                          "B200, L40S."),
              isl: int = typer.Option(2048, "--isl", help="Input tokens per request."),
              osl: int = typer.Option(512, "--osl", help="Output tokens per request."),
-             goal: str = typer.Option("throughput", "--goal", help="throughput | latency"),
-             quantize: str = typer.Option("auto", "--quantize", help="auto (as published) | "
-                                          "none | fp8 | fp8_block | int8_sq | int4_awq | "
-                                          "w4a8_awq | nvfp4"),
-             kv_cache: str = typer.Option("none", "--kv-cache", help="none | fp8 | int8"),
+             goal: Goal = typer.Option("throughput", "--goal", help="What to rank by."),
+             quantize: PlanFormat = typer.Option("auto", "--quantize", help="Weight format "
+                                                 "(auto: as published)."),
+             kv_cache: KvCacheFormat = typer.Option("none", "--kv-cache",
+                                                    help="KV-cache format."),
              kv_fraction: float = typer.Option(0.9, "--kv-fraction", help="Share of the free "
                                                "GPU memory the KV cache takes."),
-             target: str = typer.Option("trtllm-pytorch", "--target",
-                                        help="cpu | trtllm-engine | trtllm-pytorch"),
+             target: Target = typer.Option("trtllm-pytorch", "--target",
+                                           help="The target to plan for."),
              max_num_tokens: int = typer.Option(8192, "--max-num-tokens",
                                                 help="Tokens per engine step."),
              nvlink_gbps: float | None = typer.Option(None, "--nvlink-gbps",
@@ -255,27 +315,36 @@ def build(config: Path | None = ConfigOpt,
           dry_run: bool = typer.Option(False, "--dry-run",
                                        help="Print the plan (stages to run or reuse, commands, "
                                             "memory estimates); change nothing."),
-          force: list[str] | None = typer.Option(None, "--force",
-                                                 help="Rerun this stage (repeatable)."),
-          until: str | None = typer.Option(None, "--until",
-                                           help="Stop after this stage (e.g. convert: prepare "
-                                                "the checkpoint on a machine without a GPU).")
-          ) -> None:
+          force: list[StageChoice] | None = typer.Option(None, "--force",
+                                                         help="Rerun this stage "
+                                                              "(repeatable)."),
+          until: StageName | None = typer.Option(None, "--until",
+                                                 help="Stop after this stage (e.g. convert: "
+                                                      "prepare the checkpoint on a machine "
+                                                      "without a GPU)."),
+          as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout: the "
+                                       "build manifest, or with --dry-run the plan (messages "
+                                       "go to stderr).")) -> None:
     """Run the stages the config's target needs: inspect -> quantize -> convert -> engine.
     Unchanged stages are reused; interrupted builds resume."""
     from moepipe.commands.build import run_build
 
-    run_build(config, echo=typer.echo if dry_run else _echo, force=tuple(force or ()),
-              dry_run=dry_run, until=until)
+    # the dry-run plan is the command's output: printed even with -q (unless it is --json)
+    say = _say(True) if as_json else typer.echo if dry_run else _echo
+    result = run_build(config, echo=say, force=_values(force), dry_run=dry_run, until=until)
+    if as_json:
+        _emit({"dry_run": dry_run, **result})
 
 
 @app.command()
-def deploy(config: Path | None = ConfigOpt) -> None:
+def deploy(config: Path | None = ConfigOpt, as_json: bool = JsonOpt) -> None:
     """Render the Triton model repository; for the cpu target start a local Triton server."""
     from moepipe.commands.deploy import run_deploy
     from moepipe.config import load_config
 
-    run_deploy(load_config(config), echo=_echo)
+    result = run_deploy(load_config(config), echo=_say(as_json))
+    if as_json:
+        _emit(result)
 
 
 def _deployment(config: Path | None) -> tuple[Path, Path | None]:
@@ -297,12 +366,15 @@ def _deployment(config: Path | None) -> tuple[Path, Path | None]:
 
 
 @app.command()
-def stop(config: Path | None = ConfigOpt) -> None:
+def stop(config: Path | None = ConfigOpt, as_json: bool = JsonOpt) -> None:
     """Stop the workdir's Triton server and every process of its deployment."""
     from moepipe.deploy.local import lifecycle
 
     where, repository = _deployment(config)
     res = lifecycle.stop(where, repository=repository)
+    if as_json:
+        _emit(res)
+        return
     how = "" if res["graceful"] else f" (forced: {res['forced']})"
     left = f"; killed {res['leftovers']} leftover process(es)" if res["leftovers"] else ""
     if res["was_running"]:
@@ -343,7 +415,9 @@ def serve(repository: Path = typer.Argument(..., help="A rendered model reposito
           timeout: float = typer.Option(180.0, "--timeout", help="Seconds to wait for ready."),
           max_restarts: int = typer.Option(3, "--max-restarts", min=0,
                                            help="Times a dead server or model process is "
-                                                "restarted before giving up (exit 1).")
+                                                "restarted before giving up (exit 1)."),
+          as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout when "
+                                       "the server is ready (messages go to stderr).")
           ) -> None:
     """Run a rendered repository in the foreground (Ctrl-C stops it cleanly); a dead server
     or model process is restarted, up to --max-restarts times."""
@@ -356,10 +430,14 @@ def serve(repository: Path = typer.Argument(..., help="A rendered model reposito
     state = lifecycle.start(repository.resolve(), repository.resolve().parent / ".serve",
                             host=host, http_port=http_port, grpc_port=grpc_port,
                             metrics_port=metrics_port, timeout=timeout)
-    _echo(f"serving {repository} (pid {state.pid}): http {state.http}, grpc {state.grpc}, "
-          f"metrics {state.metrics}; log {state.log}. Ctrl-C to stop.")
+    say = _say(as_json)
+    say(f"serving {repository} (pid {state.pid}): http {state.http}, grpc {state.grpc}, "
+        f"metrics {state.metrics}; log {state.log}. Ctrl-C to stop.")
+    if as_json:  # on its own line at once: a caller reads it while the server runs
+        typer.echo(json.dumps(state.to_status(True)))
+        sys.stdout.flush()
     code = supervisor.foreground(repository.resolve().parent / ".serve", state, max_restarts,
-                                 _echo)
+                                 say)
     (repository.resolve().parent / ".serve" / STATE_FILE).unlink(missing_ok=True)
     raise typer.Exit(code)
 
@@ -369,18 +447,21 @@ def validate(config: Path | None = ConfigOpt,
              url: str | None = typer.Option(None, "--url", help="HTTP endpoint host:port."),
              grpc_url: str | None = typer.Option(None, "--grpc-url",
                                                  help="gRPC endpoint host:port."),
-             job: list[str] | None = typer.Option(None, "--job",
-                                                  help="Run only these jobs (repeatable).")
+             job: list[JobChoice] | None = typer.Option(None, "--job", help="Run only these "
+                                                        "jobs (repeatable)."),
+             as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout: "
+                                          "the report and where its files are (messages go "
+                                          "to stderr).")
              ) -> None:
     """Run the validation jobs against the live endpoint; JSON + JUnit XML reports."""
     from moepipe.commands.validate import run_validate
     from moepipe.config import load_config
-    from moepipe.validate.registry import JOBS
 
-    for name in job or []:
-        if name not in JOBS:
-            raise MoepipeError(f"unknown job '{name}'", f"choose from {', '.join(JOBS)}")
-    report, _ = run_validate(load_config(config), url, grpc_url, job, echo=_echo)
+    report, paths = run_validate(load_config(config), url, grpc_url, list(_values(job)) or None,
+                                 echo=_say(as_json))
+    if as_json:
+        _emit({**report.to_dict(), "files": {"json": str(paths[0]), "junit": str(paths[1]),
+                                             "html": str(paths[2])}})
     if not report.passed:
         raise typer.Exit(1)
 
@@ -400,7 +481,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGINT, _interrupted)
     try:
         # Without standalone mode click returns typer.Exit's code instead of exiting.
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=argv, prog_name="moepipe", standalone_mode=False)
     except MoepipeError as e:
         _fail(e)
     except OSError as e:  # a full, read-only or missing disk: the user's to fix
@@ -415,7 +496,9 @@ def main(argv: list[str] | None = None) -> None:
         code = e.exit_code
     except typer.TyperException as e:  # usage errors: typer raises its vendored click ones
         cmd = getattr(getattr(e, "ctx", None), "command_path", None) or "moepipe"
-        _fail(MoepipeError(e.format_message(), f"see `{cmd} --help`"),
+        # (typer checks choices with pydantic, whose prefix says nothing here)
+        message = e.format_message().replace("Value error, ", "")
+        _fail(MoepipeError(message, f"see `{cmd} --help`"),
               exit_code=getattr(e, "exit_code", 2) or 2)
     if code == 130 and _state.get("interrupted"):
         typer.echo("interrupted", err=True)

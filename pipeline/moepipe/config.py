@@ -23,7 +23,12 @@ from pydantic import (
 
 from moepipe.errors import ConfigError, MappingError
 from moepipe.mapping import Mapping
-from moepipe.utils.strictyaml import check_strict_scalar, decode_utf8, load_yaml
+from moepipe.utils.strictyaml import (
+    StrictValueError,
+    check_strict_scalar,
+    decode_utf8,
+    load_yaml,
+)
 
 DEFAULT_CONFIG = "moepipe.yaml"
 DEFAULT_PROMPTS = [
@@ -41,8 +46,9 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
-        """Integers and booleans are taken as written: ``tp: true`` or ``decoupled: 1`` are
-        refused instead of becoming 1 / True (pydantic's lax mode would convert them)."""
+        """Numbers and booleans are taken as written, in lists too: ``tp: true``,
+        ``decoupled: 1`` or ``concurrency: [true, 2.0]`` are refused instead of becoming 1,
+        True or [1, 2] (pydantic's lax mode would convert them)."""
         field = cls.model_fields.get(info.field_name or "")
         return value if field is None else check_strict_scalar(field.annotation, value)
 
@@ -90,6 +96,8 @@ class ConvertSection(Section):
 
 QuantFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"]
 KvCacheFormat = Literal["none", "fp8", "int8"]
+# The validation jobs (moepipe.validate.registry.JOBS runs them; a test keeps the two equal).
+JobName = Literal["smoke", "accuracy", "perf", "burst", "long-tail", "balance", "recovery"]
 GPU_ONLY_FORMATS = ("w4a8_awq", "nvfp4")
 
 
@@ -432,9 +440,8 @@ class ValidateSection(Section):
     grpc_url: str | None = Field(None, description="gRPC endpoint host:port.")
     metrics_url: str | None = Field(None, description="Prometheus metrics host:port (default: "
                                                       "the local deployment's).")
-    jobs: list[Literal["smoke", "accuracy", "perf", "burst", "long-tail", "balance",
-                       "recovery"]] = Field(["smoke", "accuracy"],
-                                            description="Jobs `moepipe validate` runs.")
+    jobs: list[JobName] = Field(["smoke", "accuracy"], description="Jobs `moepipe validate` "
+                                                                   "runs.")
     prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1,
                                description="Prompts the smoke and accuracy jobs send.")
     max_tokens: int = Field(16, ge=1, description="Tokens generated per validation request.")
@@ -566,9 +573,9 @@ def field_info(key: str) -> tuple[str, tuple[str, ...]]:
 
 
 def field_help(key: str) -> str:
-    """Help text of a CLI option that sets ``key``: its description and its choices."""
-    description, choices = field_info(key)
-    return f"{description} (choices: {' | '.join(choices)})" if choices else description
+    """Help text of a CLI option that sets ``key``: its description (the CLI lists a Literal
+    field's choices itself: its option takes the field's own type)."""
+    return field_info(key)[0]
 
 
 def _line_of(text: str, loc: tuple) -> int | None:
@@ -617,6 +624,9 @@ def _describe(err: dict[str, Any], model: type[BaseModel]) -> str:
         return f"{path}: {err['input']!r} is not valid; {choices}"
     if kind == "missing":
         return f"{path}: required"
+    strict = (err.get("ctx") or {}).get("error")
+    if isinstance(strict, StrictValueError):  # names the list item; says what it got
+        return f"{path}{strict.where}: {strict.why}"
     msg = err["msg"].removeprefix("Value error, ")
     return f"{path}: {msg} (got {err.get('input')!r})" if "input" in err and \
         not isinstance(err.get("input"), dict) else f"{path}: {msg}"

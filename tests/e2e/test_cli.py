@@ -81,7 +81,7 @@ def test_convert_then_parity(examples, tmp_path):
     (["convert", "--model", "/nonexistent", "--output", "x"], "no such directory"),
     (["convert", "--model", "{model}", "--output", "x", "--tp", "3"], "cannot shard"),
     (["inspect", "/nonexistent"], "no such directory"),
-    (["example", "tiny-gpt", "--out", "x"], "unknown example"),
+    (["example", "tiny-gpt", "--out", "x"], "'tiny-gpt' is not one of"),
     (["build", "-c", "missing.yaml"], "no such config file"),
 ])
 def test_user_errors_are_one_line_with_hint(args, needle, examples, tmp_path):

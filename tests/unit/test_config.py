@@ -106,7 +106,81 @@ def test_cli_help_lists_the_config_models_choices():
     from moepipe.cli import app
     from moepipe.config import field_info
 
-    out = CliRunner().invoke(app, ["init", "--help"], terminal_width=400).output
+    out = CliRunner().invoke(app, ["init", "--help"], env={"COLUMNS": "400"}).output
     for key in ("target", "quantize.format", "quantize.kv_cache"):
         description, choices = field_info(key)
         assert choices and all(c in out for c in choices), key
+
+
+def _leaves(model=None, prefix=""):
+    """(YAML key, annotation) of every field that holds a value, through optional sections."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from moepipe.config import MoepipeConfig
+
+    for name, field in (model or MoepipeConfig).model_fields.items():
+        key = prefix + (field.alias or name)
+        sections = [a for a in (field.annotation, *typing.get_args(field.annotation))
+                    if isinstance(a, type) and issubclass(a, BaseModel)]
+        if sections:
+            yield from _leaves(sections[0], key + ".")
+        else:
+            yield key, field.annotation
+
+
+# What YAML can say that pydantic's lax mode would convert: per kind of field.
+WRONG = {"int": [(True, ""), (2.0, ""), ("2", "")], "float": [(True, ""), ("1.5", "")],
+         "bool": [(1, ""), ("yes", "")], "list[int]": [([1, True], "[1]"), ([2.0], "[0]")],
+         "list[float]": [([1.5, True], "[1]"), (["1.5"], "[0]")]}
+
+
+def _kind(annotation) -> str | None:
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] \
+        if typing.get_origin(annotation) in (typing.Union, __import__("types").UnionType) \
+        else [annotation]
+    if len(args) != 1:
+        return None
+    a = args[0]
+    if typing.get_origin(a) is list and typing.get_args(a)[0] in (int, float):
+        return f"list[{typing.get_args(a)[0].__name__}]"
+    return a.__name__ if a in (int, float, bool) else None
+
+
+def test_numbers_and_booleans_are_taken_only_as_written_in_every_field():
+    """`validate.perf.concurrency: [true, 2.0]` was accepted as [1, 2]: every int, float, bool
+    and list field of the model refuses what lax conversion would accept, naming the key."""
+    from moepipe.config import parse_config
+
+    checked = set()
+    for key, annotation in _leaves():
+        kind = _kind(annotation)
+        for value, where in WRONG.get(kind, []):
+            data: dict = {"model": {"example": "tiny-mixtral"}}
+            node = data
+            parts = key.split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+                if part == "fallback":
+                    node["config"] = "fallback.yaml"
+            node[parts[-1]] = value
+            with pytest.raises(ConfigError) as err:
+                parse_config(data, "moepipe.yaml")
+            message = err.value.message
+            assert f"moepipe.yaml: {key}{where}: expected " in message, (key, value, message)
+            assert " (got " not in message
+            checked.add(kind)
+    assert checked == set(WRONG)
+
+
+def test_right_numbers_still_pass():
+    from moepipe.config import parse_config
+
+    cfg = parse_config({"model": {"example": "tiny-mixtral"},
+                        "validate": {"perf": {"concurrency": [1, 2], "rates": [1, 2.5]}},
+                        "deploy": {"k8s": {"cpus": 2}, "ready_timeout_s": 30}})
+    assert cfg.validation.perf.concurrency == [1, 2] and cfg.validation.perf.rates == [1, 2.5]
+    assert cfg.deploy.k8s.cpus == 2.0 and cfg.deploy.ready_timeout_s == 30.0

@@ -1,5 +1,6 @@
-"""Reading YAML configs strictly: UTF-8 only, no duplicated keys, integers and booleans
-as written (YAML ``true`` is not the integer 1; ``1`` is not a boolean)."""
+"""Reading YAML configs strictly: UTF-8 only, no duplicated keys, numbers and booleans as
+written, in lists too (YAML ``true`` is not the integer 1, ``2.0`` is not the integer 2, ``1``
+is not a boolean, ``"1.5"`` is not a number)."""
 
 from __future__ import annotations
 
@@ -53,24 +54,52 @@ def load_yaml(text: str, source: str = "<config>") -> Any:
         loader.dispose()
 
 
-def _scalar_kind(annotation: Any) -> type | None:
-    """int or bool when a field holds exactly that (optionally or None), else None."""
-    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or \
-        typing.get_origin(annotation) is typing.Union else (annotation,)
-    kinds = {a for a in args if a is not type(None)}
-    if kinds == {bool}:
-        return bool
-    if kinds == {int}:
-        return int
-    return None
+def _members(annotation: Any) -> tuple[Any, ...]:
+    """The types of a union (``X | None``, ``Optional[X]``), or the annotation alone."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def _show(value: Any) -> str:
+    """A value as YAML writes it (true, null, 'text'), for error messages."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value)
+
+
+class StrictValueError(ValueError):
+    """A value of the wrong kind: ``where`` is its place inside the field (``[0]`` for a
+    list's first item, empty for the field itself), ``why`` what was expected."""
+
+    def __init__(self, where: str, why: str):
+        super().__init__(f"{where}: {why}" if where else why)
+        self.where, self.why = where, why
+
+
+def _check(annotation: Any, value: Any, where: str = "") -> None:
+    """Raise :class:`StrictValueError` where ``value`` does not fit ``annotation`` strictly;
+    literals and sections are left to pydantic."""
+    members = [a for a in _members(annotation) if a is not type(None)]
+    if value is None or len(members) != 1:
+        return
+    kind = members[0]
+    if kind is bool and not isinstance(value, bool):
+        raise StrictValueError(where, f"expected true or false, not {_show(value)}")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise StrictValueError(where, f"expected an integer, not {_show(value)}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise StrictValueError(where, f"expected a number, not {_show(value)}")
+    if typing.get_origin(kind) in (list, tuple, set, frozenset) and isinstance(value, list):
+        item = typing.get_args(kind)[0] if typing.get_args(kind) else Any
+        for i, v in enumerate(value):
+            _check(item, v, f"{where}[{i}]")
 
 
 def check_strict_scalar(annotation: Any, value: Any) -> Any:
-    """``value`` unchanged when it fits a strict int / bool field; ValueError otherwise."""
-    kind = _scalar_kind(annotation)
-    if kind is bool and value is not None and not isinstance(value, bool):
-        raise ValueError("expected true or false")
-    if kind is int and value is not None and (isinstance(value, bool)
-                                              or not isinstance(value, int)):
-        raise ValueError("expected an integer")
+    """``value`` unchanged when it fits the field strictly, all the way down (the items of a
+    list too); :class:`StrictValueError` otherwise. Pydantic's lax mode would take ``true`` as
+    1, ``2.0`` as 2 and ``"1.5"`` as 1.5: YAML that says so is a mistake to point out, not to
+    convert."""
+    _check(annotation, value)
     return value
