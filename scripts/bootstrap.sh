@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project virtualenv at $MOEPIPE_VENV (default .venv) and install
-# moepipe into it - non-editable, exactly as a user would get it.
+# moepipe into it - non-editable, exactly as a user would get it - with the extras in
+# $MOEPIPE_EXTRAS (default all: the cpu target's Triton server, quantize, plugins). The test
+# tools are the `test` dependency group: scripts/install-test-tools.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${MOEPIPE_VENV:-.venv}"

@@ -9,6 +9,7 @@ Python models see the running interpreter's environment: its ``bin`` goes first 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import socket
@@ -26,6 +27,17 @@ LOG_FILE = "tritonserver.log"
 # Lines of the server log that are noise on a machine without a GPU.
 _HARMLESS = ("CudaDriverHelper", "unable to create stream", "CUDA driver",
              "Unable to get GPU count", "GPU metrics")
+
+
+def check_stub_numpy(version: str) -> None:
+    """nvidia-pytriton's Python backend stub (Triton 2.51) returns empty output tensors when the
+    models' environment has numpy 2: refuse to start it there rather than serve nothing."""
+    if int(version.split(".")[0]) >= 2:
+        raise EnvironmentMissing(
+            f"numpy {version} is installed: the Triton server of nvidia-pytriton (the cpu "
+            "target's, where none is on PATH) needs numpy < 2 in this environment",
+            "pip install 'moepipe[cpu]' in a separate environment (it keeps numpy < 2), or "
+            "run inside NVIDIA's Triton container")
 
 
 @dataclass
@@ -50,8 +62,8 @@ def find_tritonserver(explicit: Path | None, state_dir: Path) -> TritonBinary:
     except ImportError:
         raise EnvironmentMissing(
             "no tritonserver on PATH and nvidia-pytriton is not installed",
-            "pip install nvidia-pytriton==0.7.0, or run inside NVIDIA's Triton container") \
-            from None
+            "pip install 'moepipe[cpu]', or run inside NVIDIA's Triton container") from None
+    check_stub_numpy(importlib.metadata.version("numpy"))
     root = Path(pytriton.__file__).parent / "tritonserver"
     binary = root / "bin" / "tritonserver"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
