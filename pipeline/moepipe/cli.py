@@ -27,6 +27,7 @@ from moepipe.examples import EXAMPLES
 # the config model; these are the registries' (tests/unit/test_cli_choices.py holds them equal).
 StageName = Literal["source", "inspect", "quantize", "convert", "quality", "engine"]
 Goal = Literal["throughput", "latency"]
+CiStep = Literal["build", "deploy-validate", "gpu-validate"]
 PlanFormat = Literal["auto", "none", "fp8", "fp8_block", "int8_sq", "int4_awq", "w4a8_awq",
                      "nvfp4"]
 
@@ -463,6 +464,27 @@ def validate(config: Path | None = ConfigOpt,
         _emit({**report.to_dict(), "files": {"json": str(paths[0]), "junit": str(paths[1]),
                                              "html": str(paths[2])}})
     if not report.passed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def ci(step: CiStep = typer.Argument(..., help="build | deploy-validate (cpu: deploy, "
+                                      "validate, stop) | gpu-validate (launch.sh on a GPU "
+                                      "runner, validate, stop)."),
+       config: Path | None = typer.Option(None, "-c", "--config", envvar="MOEPIPE_CONFIG",
+                                          help="Pipeline config (default ./moepipe.yaml)."),
+       reports: Path = typer.Option(Path("ci-reports"), "--reports", envvar="MOEPIPE_REPORTS",
+                                    help="Where the JSON, JUnit and HTML reports are copied "
+                                         "for the pipeline to publish."),
+       ready_timeout: float = typer.Option(1800, "--ready-timeout",
+                                           envvar="MOEPIPE_READY_TIMEOUT_S",
+                                           help="gpu-validate: seconds to wait for ready.")
+       ) -> None:
+    """One step of moepipe's CI pipelines (ci/github-actions.yml, ci/gitlab-ci.yml); with
+    GITHUB_STEP_SUMMARY set, the validation results go to the job summary."""
+    from moepipe.commands.ci import run_ci
+
+    if not run_ci(step, config or Path("moepipe.yaml"), reports, _echo, ready_timeout):
         raise typer.Exit(1)
 
 

@@ -416,26 +416,122 @@ def test_trtllm_metric_families_match_upstream():
 CI = Path(__file__).parents[2] / "ci"
 
 
+def _jobs(doc: dict) -> dict:
+    return doc["jobs"] if "jobs" in doc else {k: v for k, v in doc.items()
+                                              if isinstance(v, dict) and "script" in v}
+
+
+def _commands(doc: dict, job: dict) -> list[str]:
+    """The shell lines a job runs (GitLab: the default before_script unless its own)."""
+    lines = [s.get("run", "") for s in job.get("steps", [])]
+    lines += job.get("before_script", doc.get("default", {}).get("before_script", []))
+    lines += job.get("script", [])
+    return [x.strip() for line in lines for x in line.splitlines() if x.strip()]
+
+
 @pytest.mark.parametrize(("name", "schema"), [("github-actions.yml", "vendor.github-workflows"),
                                               ("gitlab-ci.yml", "vendor.gitlab-ci")])
-def test_ci_pipelines_pass_their_schemas_and_call_the_shared_script(name, schema):
+def test_ci_pipelines_pass_their_schemas_and_run_moepipe_ci(name, schema):
     res = subprocess.run([_tool("check-jsonschema"), "--builtin-schema", schema,
                           str(CI / name)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     doc = yaml.safe_load((CI / name).read_text())
-    jobs = doc["jobs"] if "jobs" in doc else {k: v for k, v in doc.items()
-                                                 if isinstance(v, dict) and "script" in v}
-    steps = {"build", "deploy-validate", "gpu-validate"}
     called = set()
-    for job in jobs.values():
-        lines = [s.get("run", "") for s in job.get("steps", [])] + job.get("script", [])
-        for line in "\n".join(lines).splitlines():
-            if "ci/moepipe-ci.sh" in line:
-                called.add(line.split("ci/moepipe-ci.sh")[1].split()[0])
-    assert called == steps
+    for job in _jobs(doc).values():
+        for line in _commands(doc, job):
+            assert "moepipe-ci.sh" not in line
+            if line.startswith("moepipe ci "):
+                called.add(line.split()[2])
+    from typing import get_args
+
+    from moepipe.cli import CiStep
+    from moepipe.commands.ci import STEPS
+
+    assert called == set(STEPS) == set(get_args(CiStep))
 
 
-def test_ci_script_passes_shellcheck():
-    res = subprocess.run([_tool("shellcheck"), str(CI / "moepipe-ci.sh")], capture_output=True,
-                         text=True, timeout=60)
-    assert res.returncode == 0, res.stdout
+@pytest.mark.parametrize("name", ["github-actions.yml", "gitlab-ci.yml"])
+def test_ci_pipelines_install_cpu_torch_and_cache_pip(name):
+    """On an ordinary runner a bare `pip install torch` is PyPI's multi-GB CUDA build: every
+    job that installs moepipe with the cpu extra takes torch from PyTorch's CPU index first,
+    and pip's downloads are cached."""
+    doc = yaml.safe_load((CI / name).read_text())
+    env = doc.get("env") or doc.get("variables")
+    assert env["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert env["MOEPIPE_PIP_SPEC"] == "moepipe[cpu]"
+    for job_name, job in _jobs(doc).items():
+        lines = _commands(doc, job)
+        installs = [i for i, x in enumerate(lines) if "pip install" in x]
+        assert installs, job_name
+        spec = (job.get("env") or job.get("variables") or {}).get("MOEPIPE_PIP_SPEC",
+                                                                 env["MOEPIPE_PIP_SPEC"])
+        if spec.endswith("[cpu]"):  # a plain runner: torch first, from the CPU index
+            first = lines[installs[0]]
+            assert '"$TORCH_SPEC" --index-url "$TORCH_INDEX_URL"' in first, job_name
+            assert any('"$MOEPIPE_PIP_SPEC"' in lines[i] for i in installs[1:]), job_name
+        else:  # NVIDIA's container: its own torch and tritonserver, no extra
+            assert spec == "moepipe" and not any("TORCH" in x for x in lines), job_name
+    if name == "github-actions.yml":
+        for job_name, job in doc["jobs"].items():
+            setup = [s for s in job["steps"] if s.get("uses", "").startswith(
+                "actions/setup-python")]
+            assert all(s["with"]["cache"] == "pip" for s in setup), job_name
+    else:
+        assert env["PIP_CACHE_DIR"] == "$CI_PROJECT_DIR/.cache/pip"
+        for job_name, job in _jobs(doc).items():
+            caches = job.get("cache", doc["default"]["cache"])
+            assert any(".cache/pip" in c["paths"] for c in caches) or job_name == "gpu"
+
+
+def test_github_pipeline_reads_only_and_runs_once_per_change():
+    doc = yaml.safe_load((CI / "github-actions.yml").read_text())
+    assert doc["permissions"] == {"contents": "read"}
+    on = doc[True] if True in doc else doc["on"]  # PyYAML reads the key `on` as true
+    # a bare push trigger beside pull_request runs every pull-request push twice
+    assert on["push"]["branches"] == ["main"] and "pull_request" in on
+    steps = doc["jobs"]["deploy-validate"]["steps"]
+    publish = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert publish["if"] == "always()" and publish["with"]["path"] == doc["env"][
+        "MOEPIPE_REPORTS"]
+
+
+def test_gitlab_pipeline_runs_once_per_change_and_reports_junit():
+    doc = yaml.safe_load((CI / "gitlab-ci.yml").read_text())
+    rules = doc["workflow"]["rules"]
+    assert {"if": "$CI_COMMIT_BRANCH && $CI_OPEN_MERGE_REQUESTS", "when": "never"} in rules
+    for name in ("deploy-validate", "gpu"):
+        artifacts = doc[name]["artifacts"]
+        assert artifacts["when"] == "always"
+        assert artifacts["reports"]["junit"] == f"{doc['variables']['MOEPIPE_REPORTS']}/*.xml"
+
+
+def test_ci_job_summary_names_every_check_that_did_not_pass(tmp_path, monkeypatch):
+    """`moepipe ci` appends the validation results to GitHub's job summary."""
+    from moepipe.commands.ci import publish
+
+    case = {"seconds": 0.1, "message": ""}
+    report = {"passed": False, "target": "cpu", "jobs": [
+        {"job": "smoke", "passed": True, "cases": [{**case, "name": "live", "status": "passed"},
+                                                   {**case, "name": "grpc_streaming",
+                                                    "status": "skipped"}]},
+        {"job": "perf", "passed": False, "cases": [
+            {**case, "name": "concurrency_4", "status": "failed",
+             "message": "ttft_ms.p99 812.0 > 500 (slo.ttft_p99_ms)\nsecond line"},
+            {**case, "name": "rate_4", "status": "error", "message": "connection refused"}]}]}
+    source = tmp_path / "reports"
+    source.mkdir()
+    (source / "validate.json").write_text(json.dumps(report))
+    (source / "validate.junit.xml").write_text("<testsuites/>")
+    summary = tmp_path / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    copied = publish(source, tmp_path / "ci-reports")
+    assert sorted(p.name for p in copied) == ["validate.json", "validate.junit.xml"]
+    assert summary.read_text().splitlines() == [
+        "earlier step",
+        "### moepipe validate: FAILED (cpu target)", "",
+        "| job | result | passed | failed | skipped |", "|---|---|---|---|---|",
+        "| smoke | passed | 1 | 0 | 1 |", "| perf | **FAILED** | 0 | 2 | 0 |", "",
+        "- `perf.concurrency_4`: ttft_ms.p99 812.0 > 500 (slo.ttft_p99_ms) second line",
+        "- `perf.rate_4`: connection refused", ""]
+
