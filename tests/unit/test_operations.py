@@ -535,3 +535,26 @@ def test_ci_job_summary_names_every_check_that_did_not_pass(tmp_path, monkeypatc
         "- `perf.concurrency_4`: ttft_ms.p99 812.0 > 500 (slo.ttft_p99_ms) second line",
         "- `perf.rate_4`: connection refused", ""]
 
+
+# -- the Locust file ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("host", "target"), [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"),
+                                              ("::", "127.0.0.1"), ("::1", "[::1]")])
+def test_locust_folder_targets_the_deployment_and_stops_by_itself(tmp_path, host, target):
+    """What tests/e2e/test_locust.py runs against a real server, for any bind address: a
+    server bound to every interface is load-tested on loopback."""
+    from moepipe.deploy.render import loadtest
+
+    cfg = parse_config({"model": {"example": "tiny-mixtral"},
+                        "deploy": {"host": host, "http_port": 9100, "grpc_port": 9101,
+                                   "metrics_port": 9102},
+                        "validate": {"prompts": ["Hello", "It was"],
+                                     "load": {"max_tokens": 12}}})
+    files = loadtest.write(tmp_path / "locust", cfg)
+    assert [f.name for f in files] == ["locust.conf", "locustfile.py", "prompts.json",
+                                       "sse_events.py"]
+    conf = dict(line.split(" = ", 1) for line in (tmp_path / "locust" / "locust.conf")
+                .read_text().splitlines() if " = " in line and not line.startswith("#"))
+    assert conf["host"] == f"http://{target}:9100" and conf["grpc-host"] == f"{target}:9101"
+    assert conf["max-tokens"] == "12" and conf["run-time"] == "1m"
+    assert json.loads((tmp_path / "locust" / "prompts.json").read_text()) == ["Hello", "It was"]

@@ -11,6 +11,7 @@ import time
 from html import escape
 
 from moepipe.validate import svg
+from moepipe.validate.heatmap import heatmap
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;
@@ -125,14 +126,14 @@ def _balance(data: dict) -> list[str]:
     out = []
     if data.get("layer_expert"):
         m = data["layer_expert"]
-        out.append(svg.heatmap("balance-experts", "expert load share (layer x expert)",
-                               "expert", "layer", m, [str(i) for i in range(len(m[0]))],
-                               [str(i) for i in range(len(m))]))
+        out.append(heatmap("balance-experts", "expert load share (layer x expert)",
+                           "expert", "layer", m, [str(i) for i in range(len(m[0]))],
+                           [str(i) for i in range(len(m))]))
     if data.get("layer_rank"):
         m = data["layer_rank"]
-        out.append(svg.heatmap("balance-ranks", "load share per EP rank (layer x rank)",
-                               "EP rank", "layer", m, [str(i) for i in range(len(m[0]))],
-                               [str(i) for i in range(len(m))]))
+        out.append(heatmap("balance-ranks", "load share per EP rank (layer x rank)",
+                           "EP rank", "layer", m, [str(i) for i in range(len(m[0]))],
+                           [str(i) for i in range(len(m))]))
     return out
 
 

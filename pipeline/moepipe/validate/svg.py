@@ -132,29 +132,3 @@ def bars(name: str, title: str, x_label: str, y_label: str, edges: list[float],
         body.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0 - 1, 1):.1f}" '
                     f'height="{H - PAD_B - y:.1f}" fill="{COLORS[0]}"/>')
     return _frame(title, x_label, y_label, body, name)
-
-
-def heatmap(name: str, title: str, x_label: str, y_label: str,
-            matrix: list[list[float]], x_names: list[str], y_names: list[str]) -> str:
-    """Cells coloured from white (0) to dark red (the largest value), values written in."""
-    top = max((v for row in matrix for v in row), default=0.0) or 1.0
-    rows, cols = len(matrix), max((len(r) for r in matrix), default=0)
-    cw, ch = (W - PAD_L - PAD_R) / max(cols, 1), (H - PAD_T - PAD_B) / max(rows, 1)
-    body = []
-    for i, row in enumerate(matrix):
-        for j, v in enumerate(row):
-            f = v / top
-            color = f"rgb(255,{int(255 - 200 * f)},{int(255 - 230 * f)})"
-            x, y = PAD_L + j * cw, PAD_T + i * ch
-            body.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{cw:.1f}" height="{ch:.1f}" '
-                        f'fill="{color}" stroke="#fff"/>')
-            if cw > 26 and ch > 12:
-                body.append(f'<text x="{x + cw / 2:.1f}" y="{y + ch / 2 + 3:.1f}" '
-                            f'font-size="9" text-anchor="middle">{v:.3g}</text>')
-    for j, label in enumerate(x_names):
-        body.append(f'<text x="{PAD_L + (j + 0.5) * cw:.1f}" y="{H - PAD_B + 14}" '
-                    f'font-size="10" text-anchor="middle">{escape(label)}</text>')
-    for i, label in enumerate(y_names):
-        body.append(f'<text x="{PAD_L - 5}" y="{PAD_T + (i + 0.5) * ch + 3:.1f}" '
-                    f'font-size="10" text-anchor="end">{escape(label)}</text>')
-    return _frame(title, x_label, y_label, body, name)

@@ -15,6 +15,7 @@ from moepipe import __version__
 from moepipe.arch.hf import tokenizer_files
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster.operate import render_operations
+from moepipe.deploy.render import loadtest
 from moepipe.deploy.render.fallback import bls_values, render_fallback
 from moepipe.deploy.render.targets import TARGETS, Artifacts
 from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, flag
@@ -84,6 +85,7 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
         if missing:
             raise MoepipeError(f"rendered repository lacks {', '.join(sorted(missing))}")
         render_operations(cfg, art, tmp)
+        loadtest.write(tmp / "locust", cfg)  # a load test in the users' own tool
         (tmp / MANIFEST).write_text(json.dumps(
             {"target": target, "moepipe": __version__, "values": values,
              "models": sorted(configs)}, indent=2, sort_keys=True) + "\n")
