@@ -24,7 +24,7 @@ from moepipe.errors import ConfigError, MoepipeError
 from moepipe.examples import EXAMPLES
 
 # Choices typer checks, lists in --help and completes in the shell. The config's own come from
-# the config model; these are the registries' (tests/unit/test_cli_choices.py holds them equal).
+# the config model; these are the registries' (tests/unit/test_cli_options.py holds them equal).
 StageName = Literal["source", "inspect", "quantize", "convert", "quality", "engine"]
 Goal = Literal["throughput", "latency"]
 CiStep = Literal["build", "deploy-validate", "gpu-validate"]
