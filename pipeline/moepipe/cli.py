@@ -263,7 +263,7 @@ def plan_cmd(model: str = typer.Argument(..., help="Checkpoint folder, config.js
              as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
              write: Path | None = typer.Option(None, "--write", help="Also write "
                                                "aiconfigurator's inputs into this folder."),
-             top: int = typer.Option(12, "--top", help="Rows of the table.")) -> None:
+             top: int = typer.Option(12, "--top", min=1, help="Rows of the table.")) -> None:
     """Which parallel mapping fits a cluster: weights, KV cache, traffic, ranked for a goal."""
     from moepipe.commands.plan import PlanRequest, model_id, run_plan, to_json
     from moepipe.planner.aic import write_aiconfigurator

@@ -46,7 +46,7 @@ def test_problems_name_the_numbers():
         "expert intermediate size 42 is not divisible by moe_tp=4"]
     assert "num_experts 6 is not divisible by moe_ep=4" in mapping_problems(
         spec, Mapping.create(tp=4, moe_ep=4))
-    assert mapping_problems(_spec(num_key_value_heads=3, num_attention_heads=6),
+    assert mapping_problems(_spec(num_key_value_heads=3, num_attention_heads=6, head_dim=16),
                             Mapping.create(tp=2))[0].startswith("num_key_value_heads 3")
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from moepipe.arch.bounds import check_shape
 from moepipe.arch.common import MLP_EXPERTS, MODEL_RULES
 from moepipe.arch.family import Family, Fixed, RuntimeFacts
 from moepipe.arch.mla import ATTN, KVB, QB, DeepseekSpec, FusedA, FusedQ
@@ -40,7 +41,7 @@ from moepipe.arch.rules import (
     Split,
 )
 from moepipe.arch.spec import ModelSpec
-from moepipe.errors import UnsupportedError
+from moepipe.errors import CheckpointError, UnsupportedError
 
 _MLP = "model.layers.{layer}.mlp."
 _ATTN = ATTN
@@ -108,18 +109,11 @@ class DeepseekFamily(Family):
                                             "rope_type": "default"}
         base = super().spec(hf_config, where)
         routing = spec_from_hf(self.hf_architecture, hf_config)
-        n_shared = int(hf_config.get("n_shared_experts") or 0)
-        extra: dict[str, Any] = {
-            "q_lora_rank": int(hf_config.get("q_lora_rank") or 0),
-            "kv_lora_rank": int(hf_config["kv_lora_rank"]),
-            "qk_nope_head_dim": int(hf_config["qk_nope_head_dim"]),
-            "qk_rope_head_dim": int(hf_config["qk_rope_head_dim"]),
-            "v_head_dim": int(hf_config["v_head_dim"]),
-            "first_k_dense_replace": int(hf_config.get("first_k_dense_replace") or 0),
-            "routing": routing.to_dict(),
-            "rope_scaling": rope_scaling,
-            "mtp_layers": int(hf_config.get("num_nextn_predict_layers") or 0),
-        }
+        mla = mla_numbers(hf_config, where, base.num_layers)
+        n_shared = mla.pop("n_shared_experts")
+        mtp = mla.pop("num_nextn_predict_layers")
+        extra: dict[str, Any] = {**mla, "routing": routing.to_dict(),
+                                 "rope_scaling": rope_scaling, "mtp_layers": mtp}
         values: dict[str, Any] = {f.name: getattr(base, f.name) for f in fields(ModelSpec)}
         values.update(shared_expert_intermediate_size=n_shared * base.expert_intermediate_size,
                       head_dim=extra["qk_rope_head_dim"])
@@ -209,6 +203,8 @@ def _yarn(cfg: dict[str, Any], where: str) -> dict[str, Any] | None:
     """The checkpoint's YaRN scaling as TensorRT-LLM's ``rotary_scaling`` (deepseek_v2/config.py:
     the six keys plus ``type: yarn``); None for plain RoPE."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{where}: rope_scaling must be a mapping, not {rope!r}"[:200])
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in (None, "default"):
         return None
@@ -222,14 +218,32 @@ def _yarn(cfg: dict[str, Any], where: str) -> dict[str, Any] | None:
     if out["original_max_position_embeddings"] is None:
         raise UnsupportedError(f"{where}: yarn without original_max_position_embeddings",
                                "the checkpoint's rope scaling is incomplete")
+    check_shape({"max_position_embeddings": cfg.get("max_position_embeddings"),
+                 "original_max_position_embeddings": out["original_max_position_embeddings"]},
+                where)
     if out["factor"] is None:  # transformers: max_position_embeddings / the original
         out["factor"] = cfg["max_position_embeddings"] / out["original_max_position_embeddings"]
     out.update(beta_fast=out["beta_fast"] or 32, beta_slow=out["beta_slow"] or 1, type="yarn")
     return out
 
 
+def mla_numbers(cfg: dict[str, Any], where: str, layers: int) -> dict[str, int]:
+    """DeepSeek's own numbers (latent attention ranks and head dims, dense layers, shared
+    experts), checked by :func:`moepipe.arch.bounds.check_shape`; unset optional ones are 0."""
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if cfg.get(key) is None:
+            raise CheckpointError(f"{where}: missing '{key}'",
+                                  "is this a complete DeepSeek config.json?")
+    values = {k: cfg.get(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                      "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
+                                      "n_shared_experts", "moe_layer_freq",
+                                      "num_nextn_predict_layers")}
+    check_shape({**values, "num_layers": layers}, where)
+    return {k: v or 0 for k, v in values.items() if k != "moe_layer_freq"}
+
+
 def _check_deepseek(cfg: dict[str, Any], where: str) -> None:
-    freq = int(cfg.get("moe_layer_freq") or 1)
+    freq = cfg.get("moe_layer_freq") or 1
     if freq != 1:
         raise UnsupportedError(f"{where}: moe_layer_freq {freq} is not supported",
                                "moepipe converts DeepSeek models whose layers after "
@@ -257,7 +271,10 @@ _KEYS = {"num_experts": ("n_routed_experts", "num_local_experts", "num_experts")
          "expert_intermediate_size": ("moe_intermediate_size",),
          "dense_intermediate_size": ("intermediate_size",),
          # MLA: the nominal KV head count is the query head count (moepipe shards by heads)
-         "num_kv_heads": ("num_attention_heads",)}
+         "num_kv_heads": ("num_attention_heads",),
+         # MLA: heads are as wide as their dims say, not hidden_size / heads (the spec's
+         # head_dim is the rotary part, as TensorRT-LLM's)
+         "head_dim": ("qk_rope_head_dim",)}
 
 _FIELDS: dict[str, str | Fixed] = {
     "mlp_bias": Fixed(False),

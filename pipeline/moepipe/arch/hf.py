@@ -54,6 +54,9 @@ def open_hf_checkpoint(path: str | Path) -> HFCheckpoint:
     fp8 = None
     mxfp4 = False
     if "quantization_config" in config:
+        if not isinstance(config["quantization_config"], dict):
+            raise CheckpointError(f"{path / 'config.json'}: quantization_config is not a "
+                                  "mapping")
         method = config["quantization_config"].get("quant_method")
         fp8 = block_size(config["quantization_config"], str(path / "config.json"))
         mxfp4 = method == "mxfp4"  # GPT-OSS as OpenAI publishes it: read dequantized

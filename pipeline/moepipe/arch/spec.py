@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from moepipe.arch.bounds import LIMITS, check_shape
 from moepipe.errors import CheckpointError, UnsupportedError
 
 # Normalised name -> HF config keys to try, in order. A family may override an entry.
@@ -128,11 +129,12 @@ def normalize(cfg: dict[str, Any], keys: dict[str, tuple[str, ...]], where: str,
     """
     defaults = {**DEFAULTS, **(defaults or {})}
     raw: dict[str, Any] = {}
+    given: dict[str, str] = {}  # normalised name -> the config key that gave it
     for name, candidates in keys.items():
         for key in candidates:
             found, value = _lookup(cfg, key)
             if found and value is not None:
-                raw[name] = value
+                raw[name], given[name] = value, key
                 break
         else:
             if name in REQUIRED:
@@ -140,6 +142,8 @@ def normalize(cfg: dict[str, Any], keys: dict[str, tuple[str, ...]], where: str,
                     f"{where}: missing '{candidates[0]}' (needed for {name})",
                     "is this a complete Hugging Face config.json of a MoE model?")
             raw[name] = defaults.get(name)
+    check_shape({k: raw[k] for k in (*LIMITS, "mlp_only_layers") if k in raw}, where,
+                {k: given.get(k, keys[k][0]) for k in raw})
 
     if raw["num_kv_heads"] is None:
         raw["num_kv_heads"] = raw["num_heads"]
@@ -178,12 +182,6 @@ def _check_supported(raw: dict[str, Any], where: str) -> None:
     if raw["use_sliding_window"]:
         raise UnsupportedError(f"{where}: sliding-window attention is not supported",
                                "set use_sliding_window: false")
-    if raw["mlp_only_layers"] or int(raw["decoder_sparse_step"] or 1) != 1:
+    if raw["mlp_only_layers"] or raw["decoder_sparse_step"] != 1:
         raise UnsupportedError(f"{where}: dense (non-MoE) layers are not supported yet",
                                "mlp_only_layers must be empty and decoder_sparse_step 1")
-    if raw["num_heads"] % raw["num_kv_heads"] if raw["num_kv_heads"] else False:
-        raise CheckpointError(f"{where}: num_attention_heads {raw['num_heads']} is not a multiple "
-                              f"of num_key_value_heads {raw['num_kv_heads']}")
-    if raw["top_k"] > raw["num_experts"]:
-        raise CheckpointError(f"{where}: num_experts_per_tok {raw['top_k']} exceeds the number of "
-                              f"experts {raw['num_experts']}")

@@ -11,6 +11,7 @@ needs Ada/Hopper or newer, NVFP4 Blackwell).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -70,23 +71,35 @@ def gpu_named(name: str) -> GPU:
                       f"choose one of {', '.join(GPUS)}")
 
 
-_CLUSTER = re.compile(r"^(?:(\d+)x)?(\d+)x([A-Za-z0-9-]+)$")
+_CLUSTER = re.compile(r"(?:(\d{1,6})x)?(\d{1,6})x([A-Za-z0-9-]+)")
+MAX_NODES, MAX_GPUS_PER_NODE = 4096, 72  # 72: an NVL72 rack is one NVLink domain
+MAX_LINK_GBPS = 100_000.0  # GB/s; 100x the fastest link in the table
+
+
+def _link(value: float | None, flag: str) -> float | None:
+    if value is not None and not (math.isfinite(value) and 0 < value <= MAX_LINK_GBPS):
+        raise ConfigError(f"{flag} {value:g} is not a link speed",
+                          f"give GB/s per direction, more than 0 and at most {MAX_LINK_GBPS:g}")
+    return value
 
 
 def parse_cluster(text: str, nvlink_gbps: float | None = None,
                   internode_gbps: float | None = None) -> Cluster:
     """``8xH100`` (one node) or ``2x8xH100`` (nodes x GPUs per node), with optional
-    bandwidth overrides in GB/s."""
-    m = _CLUSTER.match(text.strip())
+    bandwidth overrides in GB/s; every field checked here, once."""
+    m = _CLUSTER.fullmatch(text.strip())
     if not m:
-        raise ConfigError(f"cluster '{text}' is not GPUSxKIND or NODESxGPUSxKIND",
+        raise ConfigError(f"cluster {text[:80]!r} is not GPUSxKIND or NODESxGPUSxKIND",
                           "for example 8xH100 or 2x8xH200")
     nodes, per_node, kind = int(m.group(1) or 1), int(m.group(2)), m.group(3)
-    if nodes < 1 or per_node < 1:
-        raise ConfigError(f"cluster '{text}' has no GPUs", "for example 8xH100")
+    if not (1 <= nodes <= MAX_NODES and 1 <= per_node <= MAX_GPUS_PER_NODE):
+        raise ConfigError(f"cluster '{text}' needs 1..{MAX_NODES} nodes of "
+                          f"1..{MAX_GPUS_PER_NODE} GPUs", "for example 8xH100 or 2x8xH200")
     gpu = gpu_named(kind)
-    if nvlink_gbps is not None:
-        gpu = replace(gpu, nvlink_bw=nvlink_gbps * GB)
-    if internode_gbps is not None:
-        gpu = replace(gpu, internode_bw=internode_gbps * GB)
+    nvlink, internode = _link(nvlink_gbps, "--nvlink-gbps"), _link(internode_gbps,
+                                                                   "--internode-gbps")
+    if nvlink is not None:
+        gpu = replace(gpu, nvlink_bw=nvlink * GB)
+    if internode is not None:
+        gpu = replace(gpu, internode_bw=internode * GB)
     return Cluster(gpu, nodes * per_node, per_node)

@@ -9,7 +9,6 @@ last with the reason.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from moepipe.planner.estimate import Estimate, Workload, estimate
 from moepipe.planner.hardware import Cluster
 from moepipe.planner.shapes import ModelShape, model_shape
 from moepipe.planner.weights import FORMATS, Sharding, model_bytes
+from moepipe.utils.fs import read_json
 
 # Published config.json files shipped with moepipe (plan without downloading anything):
 # mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, deepseek-ai/DeepSeek-V3
@@ -34,6 +34,7 @@ PUBLISHED = {
 HF_IDS = {"Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1", "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
           "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B", "DeepSeek-V3": "deepseek-ai/DeepSeek-V3"}
 GOALS = ("throughput", "latency")
+MAX_NUM_TOKENS = 1 << 24  # tokens per engine step
 TARGETS = ("cpu", "trtllm-engine", "trtllm-pytorch")
 
 
@@ -58,16 +59,13 @@ def load_model(source: str | Path) -> ModelShape:
     from moepipe.examples import EXAMPLES
 
     if str(source) in PUBLISHED:
-        cfg = json.loads(PUBLISHED[str(source)].read_text())
+        cfg = read_json(PUBLISHED[str(source)], "moepipe")
         return model_shape(cfg, str(source), str(PUBLISHED[str(source)]))
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
-    if path.is_file():
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{path}: not readable JSON ({e})") from None
+    if path.exists():
+        cfg = read_json(path, "a Hugging Face checkpoint folder")
         return model_shape(cfg, path.parent.name if path.name == "config.json" else path.stem,
                            str(path))
     if str(source) in EXAMPLES:
@@ -117,6 +115,9 @@ def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
         raise ConfigError(f"isl + osl = {workload.seq_len} exceeds the model's "
                           f"max_position_embeddings ({model.max_position_embeddings})",
                           "plan shorter sequences")
+    if not 1 <= workload.max_num_tokens <= MAX_NUM_TOKENS:
+        raise ConfigError(f"max_num_tokens {workload.max_num_tokens} is outside "
+                          f"1..{MAX_NUM_TOKENS}", "TensorRT-LLM's default is 8192")
     if not 0 < workload.kv_fraction < 1:
         raise ConfigError(f"the KV-cache memory fraction must be in (0, 1), got "
                           f"{workload.kv_fraction}", "TensorRT-LLM's default is 0.9")

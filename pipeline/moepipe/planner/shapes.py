@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from moepipe.arch.bounds import check_shape
 from moepipe.errors import CheckpointError, UnsupportedError
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -240,91 +241,123 @@ def _dtype(cfg: dict[str, Any]) -> str:
     return d if d in DTYPE_BYTES else "bfloat16"
 
 
-def _gqa(cfg: dict[str, Any], where: str, name: str, arch: str, **extra: Any) -> ModelShape:
-    heads = _get(cfg, where, "num_attention_heads")
-    h = _get(cfg, where, "hidden_size")
-    layers = _get(cfg, where, "num_hidden_layers")
-    sparse_step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = tuple(sorted(set(cfg.get("mlp_only_layers") or []) | {
+def _numbers(cfg: dict[str, Any], where: str, keys: dict[str, tuple[str, ...]],
+             required: tuple[str, ...]) -> dict[str, Any]:
+    """Normalised name -> the first of ``keys[name]`` the config gives (None when none),
+    checked once by :func:`moepipe.arch.bounds.check_shape` (the check every stage shares)."""
+    values: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    for name, candidates in keys.items():
+        values[name] = _get(cfg, where, *candidates,
+                            default=KeyError if name in required else None)
+        names[name] = next((k for k in candidates if cfg.get(k) is not None), candidates[0])
+    return check_shape(values, where, names)
+
+
+_GQA_KEYS = {"num_layers": ("num_hidden_layers",), "hidden_size": ("hidden_size",),
+             "num_heads": ("num_attention_heads",), "num_kv_heads": ("num_key_value_heads",),
+             "head_dim": ("head_dim",), "vocab_size": ("vocab_size",),
+             "num_experts": ("num_local_experts", "num_experts"),
+             "top_k": ("num_experts_per_tok",),
+             "max_position_embeddings": ("max_position_embeddings",),
+             "decoder_sparse_step": ("decoder_sparse_step",),
+             "mlp_only_layers": ("mlp_only_layers",)}
+_GQA_REQUIRED = ("num_layers", "hidden_size", "num_heads", "vocab_size", "num_experts", "top_k")
+
+
+def _gqa(cfg: dict[str, Any], where: str, name: str, arch: str, expert_key: str,
+         shared_key: str | None = None, **extra: Any) -> ModelShape:
+    keys = {**_GQA_KEYS, "expert_intermediate_size": (expert_key,),
+            "dense_intermediate_size": ("intermediate_size",)}
+    if shared_key:
+        keys["shared_expert_intermediate_size"] = (shared_key,)
+    n = _numbers(cfg, where, keys, (*_GQA_REQUIRED, "expert_intermediate_size"))
+    heads, h, layers = n["num_heads"], n["hidden_size"], n["num_layers"]
+    sparse_step = n["decoder_sparse_step"] or 1
+    dense = tuple(sorted(set(n["mlp_only_layers"] or []) | {
         layer for layer in range(layers) if (layer + 1) % sparse_step}))
+    shared = n.get("shared_expert_intermediate_size") or 0
+    if shared_key:
+        extra.update(shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared))
     return ModelShape(
         name=name, architecture=arch, dtype=_dtype(cfg),
-        vocab_size=_get(cfg, where, "vocab_size"), hidden_size=h, num_layers=layers,
-        num_heads=heads, num_kv_heads=_get(cfg, where, "num_key_value_heads", default=heads),
-        head_dim=_get(cfg, where, "head_dim", default=h // heads),
-        num_experts=_get(cfg, where, "num_local_experts", "num_experts"),
-        top_k=_get(cfg, where, "num_experts_per_tok"),
-        dense_layers=dense, dense_intermediate_size=int(cfg.get("intermediate_size") or 0),
+        vocab_size=n["vocab_size"], hidden_size=h, num_layers=layers,
+        num_heads=heads, num_kv_heads=n["num_kv_heads"] or heads,
+        head_dim=n["head_dim"] or h // heads,
+        num_experts=n["num_experts"], top_k=n["top_k"],
+        expert_intermediate_size=n["expert_intermediate_size"],
+        dense_layers=dense, dense_intermediate_size=n["dense_intermediate_size"] or 0,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096), **extra)
+        max_position_embeddings=n["max_position_embeddings"] or 4096, **extra)
 
 
 def _mixtral(cfg, where, name):
-    return _gqa(cfg, where, name, "MixtralForCausalLM",
-                expert_intermediate_size=_get(cfg, where, "intermediate_size"))
+    return _gqa(cfg, where, name, "MixtralForCausalLM", "intermediate_size")
 
 
 def _qwen2(cfg, where, name):
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-    return _gqa(cfg, where, name, "Qwen2MoeForCausalLM",
-                expert_intermediate_size=_get(cfg, where, "moe_intermediate_size"),
-                shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared),
+    return _gqa(cfg, where, name, "Qwen2MoeForCausalLM", "moe_intermediate_size",
+                "shared_expert_intermediate_size",
                 attention_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", True))))
 
 
 def _qwen3(cfg, where, name):
-    return _gqa(cfg, where, name, "Qwen3MoeForCausalLM",
-                expert_intermediate_size=_get(cfg, where, "moe_intermediate_size"),
+    return _gqa(cfg, where, name, "Qwen3MoeForCausalLM", "moe_intermediate_size",
                 qk_norm=True, attention_bias=bool(cfg.get("attention_bias", False)))
 
 
 def _olmoe(cfg, where, name):
-    return _gqa(cfg, where, name, "OlmoeForCausalLM",
-                expert_intermediate_size=_get(cfg, where, "intermediate_size"),
+    return _gqa(cfg, where, name, "OlmoeForCausalLM", "intermediate_size",
                 qk_norm=True, qk_norm_projection=True,
                 attention_bias=bool(cfg.get("attention_bias", False)))
 
 
 def _gpt_oss(cfg, where, name):
     bias = bool(cfg.get("attention_bias", True))
-    return _gqa(cfg, where, name, "GptOssForCausalLM",
-                expert_intermediate_size=_get(cfg, where, "intermediate_size"),
+    return _gqa(cfg, where, name, "GptOssForCausalLM", "intermediate_size",
                 attention_bias=bias, dense_bias=bias, attention_sinks=True, expert_bias=True,
                 router_bias=True)
 
 
+_DEEPSEEK_KEYS = {**_GQA_KEYS, "num_experts": ("n_routed_experts",),
+                  "head_dim": ("qk_rope_head_dim",),  # MLA: heads as wide as their dims say
+                  "expert_intermediate_size": ("moe_intermediate_size",),
+                  "dense_intermediate_size": ("intermediate_size",),
+                  **{k: (k,) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                       "qk_rope_head_dim", "v_head_dim", "n_shared_experts",
+                                       "first_k_dense_replace", "moe_layer_freq")}}
+
+
 def _deepseek(cfg, where, name):
     arch = cfg["architectures"][0]
-    layers = _get(cfg, where, "num_hidden_layers")
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
-    freq = int(cfg.get("moe_layer_freq") or 1)
+    n = _numbers(cfg, where, _DEEPSEEK_KEYS,
+                 (*_GQA_REQUIRED, "expert_intermediate_size", "dense_intermediate_size",
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    layers = n["num_layers"]
+    first_dense, freq = n["first_k_dense_replace"] or 0, n["moe_layer_freq"] or 1
     dense = tuple(layer for layer in range(layers)
                   if layer < first_dense or layer % freq)
-    moe_inter = _get(cfg, where, "moe_intermediate_size")
+    moe_inter = n["expert_intermediate_size"]
     quant = cfg.get("quantization_config") or {}
-    published = ("fp8_block" if quant.get("quant_method") == "fp8"
+    published = ("fp8_block" if isinstance(quant, dict) and quant.get("quant_method") == "fp8"
                  and quant.get("weight_block_size") else None)
-    heads = _get(cfg, where, "num_attention_heads")
     return ModelShape(
         name=name, architecture=arch, dtype=_dtype(cfg),
-        vocab_size=_get(cfg, where, "vocab_size"), hidden_size=_get(cfg, where, "hidden_size"),
-        num_layers=layers, num_heads=heads, num_kv_heads=1,
-        head_dim=_get(cfg, where, "kv_lora_rank") + _get(cfg, where, "qk_rope_head_dim"),
-        num_experts=_get(cfg, where, "n_routed_experts"),
-        top_k=_get(cfg, where, "num_experts_per_tok"), expert_intermediate_size=moe_inter,
-        shared_expert_intermediate_size=moe_inter * int(cfg.get("n_shared_experts") or 0),
-        dense_layers=dense, dense_intermediate_size=_get(cfg, where, "intermediate_size"),
+        vocab_size=n["vocab_size"], hidden_size=n["hidden_size"],
+        num_layers=layers, num_heads=n["num_heads"], num_kv_heads=1,
+        head_dim=n["kv_lora_rank"] + n["qk_rope_head_dim"],
+        num_experts=n["num_experts"], top_k=n["top_k"], expert_intermediate_size=moe_inter,
+        shared_expert_intermediate_size=moe_inter * (n["n_shared_experts"] or 0),
+        dense_layers=dense, dense_intermediate_size=n["dense_intermediate_size"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-        kv_lora_rank=_get(cfg, where, "kv_lora_rank"),
-        qk_nope_head_dim=_get(cfg, where, "qk_nope_head_dim"),
-        qk_rope_head_dim=_get(cfg, where, "qk_rope_head_dim"),
-        v_head_dim=_get(cfg, where, "v_head_dim"),
+        q_lora_rank=n["q_lora_rank"] or 0, kv_lora_rank=n["kv_lora_rank"],
+        qk_nope_head_dim=n["qk_nope_head_dim"], qk_rope_head_dim=n["qk_rope_head_dim"],
+        v_head_dim=n["v_head_dim"],
         # transformers' DeepSeek-V3 router always has the bias (its config.json may not say
         # topk_method); the Hub's remote-code configs say noaux_tc
         routing_bias=cfg.get("topk_method") == "noaux_tc" or (
             arch == "DeepseekV3ForCausalLM" and cfg.get("topk_method") is None),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        max_position_embeddings=n["max_position_embeddings"] or 4096,
         published_quant=published)
 
 

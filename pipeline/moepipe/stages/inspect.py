@@ -15,6 +15,7 @@ from moepipe.arch.targets import check_target
 from moepipe.checkpoints.mxfp4 import BLOCKS, SCALES
 from moepipe.checkpoints.reader import CheckpointReader
 from moepipe.config import MoepipeConfig
+from moepipe.errors import CheckpointError
 from moepipe.mapping import check_mapping, legal_mappings
 from moepipe.stages.base import BuildContext, Stage
 
@@ -41,6 +42,11 @@ def inspect_checkpoint(path: str | Path, max_world_size: int = 8) -> Inspection:
     dense = spec.first_k_dense_replace if isinstance(spec, DeepseekSpec) else 0
     moe_layers = spec.num_layers - dense
     inactive = moe_layers * (spec.num_experts - spec.top_k) * per_expert
+    if inactive > total:  # the config's layers or experts are not the checkpoint's
+        raise CheckpointError(f"{ckpt.path / 'config.json'}: {moe_layers} MoE layers of "
+                              f"{spec.num_experts} experts are more parameters than the "
+                              f"checkpoint's tensors hold ({total})",
+                              "is config.json this checkpoint's own?")
     routing = family.normalization_mode(spec).description
     rs = spec.routing_spec if isinstance(spec, DeepseekSpec) else None  # may have no mode
     if rs is not None and rs.trtllm_normalization_mode() is None:

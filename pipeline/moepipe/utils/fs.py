@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -12,10 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from moepipe.errors import MoepipeError
+from moepipe.utils.bounded import MiB, ReadError, loads_json, read_file
 
 # The build's record in a finished stage's folder (written by moepipe.stages.integrity):
 # bookkeeping, not model data, so digests of a folder's model files leave it out.
 STAGE_FILE = "moepipe-stage.json"
+# A JSON file moepipe reads whole (config.json, a safetensors index, a stage record): far above
+# any real one (DeepSeek-V3's safetensors index is 9 MB).
+JSON_LIMIT = 64 * MiB
 
 
 def cache_root() -> Path:
@@ -74,17 +77,19 @@ def tail_lines(path: Path, lines: int, skip: tuple[str, ...] = ()) -> str:
     return "\n".join([line for line in text if not any(s in line for s in skip)][-lines:])
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from ``path``; a CheckpointError naming the file when it is missing,
-    corrupt or not an object."""
+def read_json(path: Path, what: str, limit: int = JSON_LIMIT) -> dict[str, Any]:
+    """A JSON object from ``path`` (at most ``limit`` bytes); a CheckpointError naming the
+    file when it is missing, corrupt, too large or not an object."""
     from moepipe.errors import CheckpointError
 
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{path}: not found", f"{what} must contain it")
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found", f"{what} must contain it") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})", "the file is corrupt") from None
+        data = loads_json(read_file(path, limit, "JSON file"), str(path))
+    except ReadError as e:
+        raise CheckpointError(e.message, e.hint or "the file is corrupt") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
+        kind = {list: "a list", str: "a string", type(None): "null", bool: "a boolean"}.get(
+            type(data), "a number")
+        raise CheckpointError(f"{path}: expected a JSON object, not {kind}")
     return data
