@@ -14,6 +14,8 @@ from moepipe.planner.hardware import parse_cluster
 from moepipe.planner.plan import HF_IDS, PUBLISHED, Plan, load_model, make_plan
 
 KV_CACHE = ("none", "fp8", "int8")
+# A metrics page is read whole within this (a Triton server answers in milliseconds).
+METRICS_TIMEOUT_S = 30.0
 GIB = 1 << 30
 
 
@@ -87,20 +89,15 @@ def to_json(plan: Plan) -> str:
 
 
 
-def fetch_metrics(url: str) -> str:
-    """The text of a Prometheus metrics endpoint (a Triton server's, usually on loopback)."""
-    import urllib.error
-    import urllib.request
+def fetch_metrics(url: str, timeout_s: float | None = None) -> str:
+    """The text of a Prometheus metrics endpoint (a Triton server's, usually on loopback):
+    at most :data:`~moepipe.deploy.metric_names.METRICS_LIMIT` bytes within ``timeout_s``
+    (default :data:`METRICS_TIMEOUT_S`) overall."""
+    from moepipe.deploy.metric_names import METRICS_LIMIT
+    from moepipe.utils.bounded import decode_utf8, fetch_url
 
-    if not url.startswith(("http://", "https://")):
-        url = "http://" + url
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 (user's own URL)
-            return resp.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise ConfigError(f"cannot read metrics from {url} ({getattr(e, 'reason', e)})",
-                          "is the deployment running? `moepipe status` shows its ports") \
-            from None
+    body = fetch_url(url, METRICS_LIMIT, timeout_s or METRICS_TIMEOUT_S, "metrics page")
+    return decode_utf8(body, url)
 
 
 def run_balance(metrics: str | None, counts_file: Path | None, moe_ep: int,

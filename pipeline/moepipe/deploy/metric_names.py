@@ -13,7 +13,11 @@ custom_metrics_reporter.cc`` (``nv_trt_llm_*``, ``nv_llm_*_token_len``).
 
 from __future__ import annotations
 
+import math
 import re
+
+from moepipe.arch.bounds import MAX_EXPERTS, MAX_LAYERS
+from moepipe.errors import ConfigError
 
 
 def _summary(name: str) -> set[str]:
@@ -98,22 +102,43 @@ def metrics_in(expr: str) -> set[str]:
             and not re.fullmatch(r"\d+[smhdwy]?|e\d+", m)}
 
 
-_EXPERT_SAMPLE = re.compile(r"^moepipe_expert_tokens_total\{([^}]*)\}\s+([0-9.eE+-]+)\s*$",
-                            re.M)
+_EXPERT_SAMPLE = re.compile(r"^moepipe_expert_tokens_total\{([^}]*)\}[ \t]+(\S+)[ \t]*$", re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+# A token count is exact in a float64 up to 2**53; more is not a count but a broken counter.
+MAX_COUNT = 2.0 ** 53
+# A metrics page moepipe reads (DeepSeek-V3's 58 MoE layers x 256 experts are ~2 MB of it).
+METRICS_LIMIT = 64 << 20
 
 
-def expert_token_counts(text: str) -> dict[tuple[int, int], float]:
+def expert_token_counts(text: str, where: str = "metrics") -> dict[tuple[int, int], float]:
     """(layer, expert) -> tokens routed, from Prometheus text of the cpu target's
-    ``moepipe_expert_tokens_total{model,layer,expert}`` (summed over other labels; samples
-    without integer layer and expert labels are skipped). The one parser of these counters
-    (``validate``'s balance job and ``moepipe balance`` both read them)."""
+    ``moepipe_expert_tokens_total{model,layer,expert}`` (summed over other labels). The one
+    parser of these counters (``validate``'s balance job and ``moepipe balance`` both read
+    them): a sample whose layer or expert is not an index of a model moepipe serves
+    (:data:`moepipe.arch.bounds.LIMITS`) or whose value is not a finite count is a ConfigError
+    naming ``where`` and the line."""
     out: dict[tuple[int, int], float] = {}
-    for labels, value in _EXPERT_SAMPLE.findall(text):
+    for m in _EXPERT_SAMPLE.finditer(text):
+        labels, value = m.groups()
+        line = text.count("\n", 0, m.start()) + 1
         kv = dict(_LABEL.findall(labels))
+        key = (_index(kv.get("layer"), "layer", MAX_LAYERS, where, line),
+               _index(kv.get("expert"), "expert", MAX_EXPERTS, where, line))
         try:
-            key = (int(kv["layer"]), int(kv["expert"]))
-        except (KeyError, ValueError):
-            continue
-        out[key] = out.get(key, 0.0) + float(value)
+            count = float(value)
+        except ValueError:
+            count = math.nan
+        total = out.get(key, 0.0) + count
+        if not 0 <= count <= MAX_COUNT or not total <= MAX_COUNT:
+            raise ConfigError(f"{where}:{line}: {value[:40]!r} is not a token count (a finite "
+                              f"number in 0..2^53)", "is this a moepipe deployment's metrics?")
+        out[key] = total
     return out
+
+
+def _index(label: str | None, what: str, limit: int, where: str, line: int) -> int:
+    if label is None or not re.fullmatch(r"\d{1,9}", label) or int(label) >= limit:
+        shown = "missing" if label is None else repr(label[:40])
+        raise ConfigError(f"{where}:{line}: {what} label {shown} is not an index in "
+                          f"0..{limit - 1}", "is this a moepipe deployment's metrics?")
+    return int(label)

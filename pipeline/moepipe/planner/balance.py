@@ -11,16 +11,30 @@ and no copy of the same expert yet.
 from __future__ import annotations
 
 import heapq
-import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from moepipe.deploy.metric_names import expert_token_counts
+from moepipe.arch.bounds import MAX_EXPERTS, MAX_LAYERS
+from moepipe.deploy.metric_names import MAX_COUNT, METRICS_LIMIT, expert_token_counts
 from moepipe.errors import ConfigError
 from moepipe.trtllm.load_balancer import check_load_balancer
+from moepipe.utils.bounded import decode_utf8, loads_json, read_file, refuse_pickle
 from moepipe.utils.fs import write_text_atomic
+
+# A counts file: as large as a metrics page may be.
+COUNTS_LIMIT = METRICS_LIMIT
+
+
+# The work a placement may take, whatever the counts say (a few seconds of Python each): pair
+# comparisons of the swap search, shared by all layers (DeepSeek-V3's 58 layers place as well
+# with 1/58 of it each as with all of it), and layers x slots x ranks of the greedy packing.
+IMPROVE_BUDGET = 16_000_000
+MIN_LAYER_BUDGET = 20_000
+PLACE_WORK = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -64,10 +78,16 @@ def _check(counts: list[float], ep: int, num_slots: int) -> None:
                           "them on", f"use at most {e * ep} slots")
     if any(c < 0 for c in counts):
         raise ConfigError("expert token counts must not be negative")
+    if ep * num_slots > PLACE_WORK:  # the greedy packing looks at every rank for every slot
+        raise ConfigError(f"{num_slots} slots on moe_ep={ep} ranks is a larger placement than "
+                          f"moepipe computes (slots x ranks at most {PLACE_WORK})",
+                          "use fewer slots or EP ranks")
 
 
-def place(counts: list[float], ep: int, num_slots: int) -> LayerPlacement:
-    """Placement of one layer's experts with token ``counts`` on ``ep`` ranks."""
+def place(counts: list[float], ep: int, num_slots: int, budget: int = IMPROVE_BUDGET
+          ) -> LayerPlacement:
+    """Placement of one layer's experts with token ``counts`` on ``ep`` ranks (``budget``:
+    pair comparisons the swap search may make)."""
     _check(counts, ep, num_slots)
     e = len(counts)
     copies = [1] * e
@@ -92,16 +112,20 @@ def place(counts: list[float], ep: int, num_slots: int) -> LayerPlacement:
         r = min(free, key=lambda r: (load[r], r))
         held[r].append(i)
         load[r] += share
-    _improve(held, load, [counts[i] / copies[i] for i in range(e)])
+    _improve(held, load, [counts[i] / copies[i] for i in range(e)], budget)
     slots = [i for r in range(ep) for i in sorted(held[r])]
     return LayerPlacement(slots, rank_loads(slots, counts, ep))
 
 
-def _improve(held: list[list[int]], load: list[float], share: list[float]) -> None:
+def _improve(held: list[list[int]], load: list[float], share: list[float], budget: int
+             ) -> None:
     """Swap a copy on the hottest rank with a lighter copy elsewhere while that lowers the
-    hotter of the two ranks (greedy packing leaves a few percent on small layers)."""
-    for _ in range(sum(map(len, held)) ** 2):
+    hotter of the two ranks (greedy packing leaves a few percent on small layers), within
+    ``budget`` pair comparisons (unbounded, a layer of 4096 experts took half a minute)."""
+    slots = sum(map(len, held))
+    while budget > 0:
         hot = max(range(len(load)), key=lambda r: load[r])
+        budget -= len(held[hot]) * (slots - len(held[hot]))
         best = None
         for r in range(len(held)):
             if r == hot:
@@ -131,7 +155,7 @@ def counts_from_metrics(text: str, where: str) -> dict[int, list[float]]:
     """Per-layer expert token counts from Prometheus text (a Triton ``/metrics`` page of the
     cpu target: ``moepipe_expert_tokens_total{model,layer,expert}``)."""
     cells: dict[int, dict[int, float]] = {}
-    for (layer, expert), tokens in expert_token_counts(text).items():
+    for (layer, expert), tokens in expert_token_counts(text, where).items():
         cells.setdefault(layer, {})[expert] = tokens
     if not cells:
         raise ConfigError(f"{where}: no moepipe_expert_tokens_total samples",
@@ -146,46 +170,86 @@ def counts_from_metrics(text: str, where: str) -> dict[int, list[float]]:
 
 
 def _dense(row: dict[int, float], where: str) -> list[float]:
-    n = max(row) + 1
+    n = max(row) + 1  # expert indices are bounded by expert_token_counts
     missing = [e for e in range(n) if e not in row]
     if missing:
         raise ConfigError(f"{where}: no count for expert(s) {missing[:5]}")
     return [row[e] for e in range(n)]
 
 
+_COUNTS_HINT = ('expected {"layers": {"0": [tokens per expert, ...], ...}}, a validate.json '
+                "with a balance job, or saved metrics text")
+
+
 def counts_from_file(path: Path) -> dict[int, list[float]]:
     """Counts from a JSON file ``{"layers": {"<layer>": [tokens per expert, ...]}}``, from
-    ``validate.json`` (its balance job) or from saved Prometheus text."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
-    if not text.lstrip().startswith("{"):
+    ``validate.json`` (its balance job) or from saved Prometheus text; at most
+    :data:`COUNTS_LIMIT` bytes of UTF-8, never a pickle, every count and index checked."""
+    raw = read_file(path, COUNTS_LIMIT, "counts file")
+    refuse_pickle(raw, str(path))
+    text = decode_utf8(raw, str(path))
+    if not text.lstrip().startswith(("{", "[")):
         return counts_from_metrics(text, str(path))
-    try:
-        data = json.loads(text)
-        if "jobs" in data:
-            return _counts_from_validate(data, path)
-        layers = {int(k): [float(c) for c in v] for k, v in data["layers"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ConfigError(f"{path}: not an expert-count file",
-                          'expected {"layers": {"0": [tokens per expert, ...], ...}} or a '
-                          "validate.json with a balance job") from None
-    if not layers:
-        raise ConfigError(f"{path}: no layers")
-    return layers
+    data = loads_json(text, str(path), allow_nan=False)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not an expert-count file", _COUNTS_HINT)
+    if "jobs" in data:
+        return _counts_from_validate(data, path)
+    layers = data.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise ConfigError(f"{path}: no layers", _COUNTS_HINT)
+    out = {}
+    for key, row in layers.items():
+        layer = _layer_index(key, f"{path}: layer {str(key)[:40]!r}")
+        if not isinstance(row, list) or not 1 <= len(row) <= MAX_EXPERTS:
+            raise ConfigError(f"{path}: layer {layer} is not a list of 1..{MAX_EXPERTS} counts",
+                              _COUNTS_HINT)
+        out[layer] = [token_count(c, f"{path}: layer {layer} expert {e}")
+                      for e, c in enumerate(row)]
+    return out
+
+
+def _layer_index(key: Any, where: str) -> int:
+    if not isinstance(key, str) or not re.fullmatch(r"\d{1,9}", key) \
+            or int(key) >= MAX_LAYERS:
+        raise ConfigError(f"{where} is not a layer index in 0..{MAX_LAYERS - 1}", _COUNTS_HINT)
+    return int(key)
+
+
+def token_count(value: Any, where: str) -> float:
+    """``value`` as a token count: a finite number in 0..2^53 (JSON's NaN and Infinity are
+    refused when the file is read); anything else is a ConfigError naming ``where``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not 0 <= value <= MAX_COUNT:  # an int of 400 digits too: no float overflow
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}..."
+        raise ConfigError(f"{where}: {shown} is not a token count (a finite number in "
+                          "0..2^53)", _COUNTS_HINT)
+    return float(value)
 
 
 def _counts_from_validate(data: dict, path: Path) -> dict[int, list[float]]:
     """Counts from ``validate.json``: the balance job's per-layer shares (``layer_expert``)
     times the tokens it routed in that layer (``layers[i].tokens``)."""
-    job = next((j for j in data["jobs"] if j.get("job") == "balance"), None)
-    if job is None or "layer_expert" not in job.get("data", {}):
+    jobs = data["jobs"] if isinstance(data["jobs"], list) else []
+    job = next((j for j in jobs if isinstance(j, dict) and j.get("job") == "balance"), None)
+    d = job.get("data") if job is not None else None
+    if not isinstance(d, dict) or "layer_expert" not in d:
         raise ConfigError(f"{path}: this validate.json has no balance measurement",
                           "run `moepipe validate --job balance` on the deployment first")
-    d = job["data"]
-    out = {i: [share * float(d["layers"][i].get("tokens", 0.0)) for share in row]
-           for i, row in enumerate(d["layer_expert"])}
+    shares, layers = d.get("layer_expert"), d.get("layers")
+    if not isinstance(shares, list) or not isinstance(layers, list) \
+            or len(shares) != len(layers) or len(shares) > MAX_LAYERS:
+        raise ConfigError(f"{path}: the balance job's layer_expert and layers do not have one "
+                          "row per layer", "validate.json is damaged; validate again")
+    out = {}
+    for i, (row, layer) in enumerate(zip(shares, layers, strict=True)):
+        if not isinstance(row, list) or not isinstance(layer, dict) \
+                or not 1 <= len(row) <= MAX_EXPERTS:
+            raise ConfigError(f"{path}: the balance job's layer {i} is not a row of shares",
+                              "validate.json is damaged; validate again")
+        tokens = token_count(layer.get("tokens", 0.0), f"{path}: layer {i} tokens")
+        out[i] = [token_count(share, f"{path}: layer {i} share {e}") * tokens
+                  for e, share in enumerate(row)]
     out = {i: row for i, row in out.items() if sum(row) > 0}
     if not out:
         raise ConfigError(f"{path}: the balance job routed no tokens",
@@ -236,7 +300,13 @@ def balance(counts: dict[int, list[float]], moe_ep: int, num_slots: int | None =
         raise ConfigError("expert placement needs expert parallelism (moe_ep >= 2)",
                           "TensorRT-LLM's load balancer runs with attention DP and EP > 1")
     slots = experts + moe_ep if num_slots is None else num_slots
-    layers = {layer: place(row, moe_ep, slots) for layer, row in counts.items()}
+    _check(next(iter(counts.values())), moe_ep, slots)
+    if len(counts) * slots * moe_ep > PLACE_WORK:
+        raise ConfigError(f"{len(counts)} layers of {slots} slots on moe_ep={moe_ep} ranks is a "
+                          f"larger placement than moepipe computes (layers x slots x ranks at "
+                          f"most {PLACE_WORK})", "use fewer slots or EP ranks")
+    budget = max(IMPROVE_BUDGET // len(counts), MIN_LAYER_BUDGET)
+    layers = {layer: place(row, moe_ep, slots, budget) for layer, row in counts.items()}
     before = {layer: rank_loads(default_slots(experts, moe_ep), row, moe_ep)
               for layer, row in counts.items()}
     return Placement(moe_ep, slots, layers, before)

@@ -42,12 +42,14 @@ def size_text(n: int) -> str:
     """``n`` bytes for a message: 64 MiB, 512 KiB, 100 bytes."""
     for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
         if n >= size:
-            return f"{n / size:g} {unit}"
+            return f"{n / size:.4g} {unit}"
     return f"{n} bytes"
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"),
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, for messages (``a named pipe``)."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a named pipe"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket")):
         if test(mode):
@@ -67,7 +69,7 @@ def read_file(path: os.PathLike | str, limit: int, what: str = "file") -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ReadError(f"{path}: is {_kind(st.st_mode)}, not a regular file", hint)
+            raise ReadError(f"{path}: is {file_kind(st.st_mode)}, not a regular file", hint)
         if st.st_size > limit:
             raise ReadError(f"{path}: {size_text(st.st_size)} is larger than the "
                             f"{size_text(limit)} moepipe reads of a {what}", hint)
@@ -175,7 +177,9 @@ class _DeadlineSocket:
         return io.BufferedReader(_Deadline(self.sock, self.deadline, self.cap))
 
     def close(self) -> None:
-        self.sock.close()
+        """http.client closes the connection as soon as it has the response of a
+        ``Connection: close`` request (a real socket lives on in its makefile);
+        :func:`fetch_url` closes the socket when it has read the body."""
 
 
 def fetch_url(url: str, limit: int, timeout_s: float, what: str = "page") -> bytes:
@@ -206,9 +210,11 @@ def fetch_url(url: str, limit: int, timeout_s: float, what: str = "page") -> byt
     def fail(why: str) -> ReadError:
         return ReadError(f"{url}: {why}", f"is this the {what} of a running server?")
 
+    sock = None
     try:
         conn.connect()
-        conn.sock = _DeadlineSocket(conn.sock, deadline, limit + HEADER_LIMIT)
+        sock = conn.sock
+        conn.sock = _DeadlineSocket(sock, deadline, limit + HEADER_LIMIT)
         conn.request("GET", path, headers={"Connection": "close"})
         resp = conn.getresponse()
         header_bytes = sum(len(k) + len(v) + 4 for k, v in resp.getheaders())
@@ -240,3 +246,5 @@ def fetch_url(url: str, limit: int, timeout_s: float, what: str = "page") -> byt
         raise fail(f"cannot connect ({e.strerror or e})") from None
     finally:
         conn.close()
+        if sock is not None:
+            sock.close()

@@ -10,11 +10,11 @@ places them (EP rank r holds experts [r*E/ep, (r+1)*E/ep)).
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import numpy as np
 
-from moepipe.deploy.metric_names import expert_token_counts
+from moepipe.deploy.metric_names import METRICS_LIMIT, expert_token_counts
+from moepipe.utils.bounded import fetch_url
 from moepipe.validate.base import JobContext
 from moepipe.validate.load import run_load
 from moepipe.validate.report import JobResult, Skip, check
@@ -25,10 +25,12 @@ SETTLE_PERIOD_S = 0.6  # > the cpu model's metrics publication period (0.5 s)
 
 
 def scrape(metrics_url: str, timeout: float = 10.0) -> dict[tuple[int, int], float]:
-    """(layer, expert) -> tokens routed, from a Prometheus text endpoint."""
+    """(layer, expert) -> tokens routed, from a Prometheus text endpoint (read within
+    ``timeout`` overall, at most METRICS_LIMIT bytes)."""
     base = metrics_url if metrics_url.startswith("http") else f"http://{metrics_url}"
-    with urllib.request.urlopen(base.rstrip("/") + "/metrics", timeout=timeout) as r:
-        return parse(r.read().decode())
+    url = base.rstrip("/") + "/metrics"
+    body = fetch_url(url, METRICS_LIMIT, timeout, "metrics page")
+    return expert_token_counts(body.decode("utf-8", "replace"), url)
 
 
 def parse(text: str) -> dict[tuple[int, int], float]:
