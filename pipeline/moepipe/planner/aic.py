@@ -16,6 +16,7 @@ import yaml
 
 from moepipe.errors import ConfigError
 from moepipe.planner.plan import Plan
+from moepipe.utils.fs import write_text_atomic
 
 AICONFIGURATOR_VERSION = "0.12.0"
 # Fields of aiconfigurator 0.12.0 sdk/task_v2.py ``Task`` this writer sets.
@@ -67,5 +68,5 @@ def write_aiconfigurator(plan: Plan, model_path: str, folder: Path) -> Path:
     text = ("# aiconfigurator " + AICONFIGURATOR_VERSION + " experiment written by `moepipe "
             "plan --write`.\n# Run: aiconfigurator cli exp --yaml-path " + str(path) + "\n"
             + yaml.safe_dump({"exps": ["moepipe_agg"], "moepipe_agg": task}, sort_keys=False))
-    path.write_text(text)
+    write_text_atomic(path, text)  # whole or not at all (a full disk left an empty file)
     return path

@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from moepipe.errors import MoepipeError
-from moepipe.utils.bounded import MiB, ReadError, loads_json, read_file
+from moepipe.utils.bounded import MiB, ReadError, file_kind, loads_json, read_file
+from moepipe.utils.oserrors import DiskError, describe_os_error
 
 # The build's record in a finished stage's folder (written by moepipe.stages.integrity):
 # bookkeeping, not model data, so digests of a folder's model files leave it out.
@@ -62,9 +64,43 @@ def atomic_dir(path: Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it, synced,
+    then renamed over it. On any failure (a full disk, Ctrl-C) the temporary file is removed
+    and ``path`` is left as it was. A path that exists and is not a regular file (a symbolic
+    link, a named pipe, a device, a folder) is refused, not replaced; errors name ``path``."""
+    path = Path(path)
+    try:
+        st: os.stat_result | None = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise describe_os_error(OSError(e.errno, e.strerror, str(path))) from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise DiskError(f"{path}: is {file_kind(st.st_mode)}; moepipe writes regular files "
+                        "and does not replace it", "remove it, or choose another path")
+    mode = stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask()
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        raise describe_os_error(OSError(e.errno, e.strerror, str(path))) from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 def tail_lines(path: Path, lines: int, skip: tuple[str, ...] = ()) -> str:
