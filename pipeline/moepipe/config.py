@@ -23,7 +23,9 @@ from pydantic import (
 
 from moepipe.errors import ConfigError, MappingError
 from moepipe.mapping import Mapping
+from moepipe.utils.bounded import ReadError, read_file
 from moepipe.utils.strictyaml import (
+    CONFIG_LIMIT,
     StrictValueError,
     check_strict_scalar,
     decode_utf8,
@@ -658,8 +660,8 @@ def workdir_of(path: str | Path | None = None) -> Path | None:
 
     path = Path(path or DEFAULT_CONFIG)
     try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-    except OSError:
+        text = read_file(path, CONFIG_LIMIT, "config file").decode("utf-8", errors="replace")
+    except ReadError:
         return None
     m = re.search(r"^workdir:[ \t]*['\"]?([^'\"#\n]+?)['\"]?[ \t]*(#.*)?$", text, re.M)
     workdir = Path(m.group(1).strip()) if m else Path("moepipe-work")

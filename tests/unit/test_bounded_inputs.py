@@ -284,3 +284,49 @@ def test_fetch_url_reads_within_its_limits(server):
     assert fetch_url(url, 1000, 5) == b"x" * 1000
     with pytest.raises(MoepipeError, match="announces 1000 bytes, more than the 999 bytes"):
         fetch_url(url, 999, 5)
+
+
+# -- item 3: the other files and answers moepipe reads --------------------------------------
+
+def test_an_oversized_config_is_refused_unread(tmp_path):
+    from moepipe.config import load_config
+
+    path = tmp_path / "moepipe.yaml"
+    with open(path, "wb") as f:
+        f.truncate(17 * MiB)
+    with pytest.raises(MoepipeError, match="17 MiB is larger than the 16 MiB moepipe reads"):
+        load_config(path)
+
+
+def test_a_calibration_set_is_read_only_as_far_as_needed(tmp_path):
+    from moepipe.stages.quantize import CALIBRATION_BYTES_PER_TOKEN, _dataset_texts
+
+    big = tmp_path / "corpus.txt"
+    with open(big, "wb") as f:  # 8 GiB, sparse: reading it whole took 8 GiB of RAM
+        f.truncate(8 << 30)
+    t0 = time.monotonic()
+    (text,) = _dataset_texts(big, "text", 40_000)
+    assert len(text) == max(CALIBRATION_BYTES_PER_TOKEN * 40_000, MiB)
+    assert time.monotonic() - t0 < 10
+    lines = tmp_path / "corpus.jsonl"
+    row = json.dumps({"text": "x" * 100}) + "\n"
+    lines.write_text(row * 100_000)  # 10.9 MB; the cut-off last line is not parsed
+    texts = _dataset_texts(lines, "text", 10)
+    assert len(texts) == MiB // len(row) and texts[0] == "x" * 100
+
+
+def test_validate_client_bounds_what_a_server_answers(server):
+    from moepipe.validate.client import RESPONSE_LIMIT, ClientError, generate, generate_stream
+
+    def flood(conn, stop):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n")
+        chunk = b"[" * MiB
+        for _ in range(4 * RESPONSE_LIMIT // MiB):  # until the client hangs up
+            if stop.is_set():
+                return
+            conn.sendall(chunk)
+    base = server(flood).removesuffix("/metrics")
+    with pytest.raises(ClientError, match="answered more than 64 MiB"):
+        generate(base, "ensemble", {"text_input": "hi"}, timeout=20)
+    with pytest.raises(ClientError, match="answered more than 64 MiB"):
+        generate_stream(base, "ensemble", {"text_input": "hi"}, timeout=20)

@@ -9,7 +9,6 @@ needs with ``pread`` - no mmap, so resident memory stays bounded by what is in f
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -22,6 +21,8 @@ if TYPE_CHECKING:
 
 from moepipe.checkpoints.dtypes import DTYPES, DType
 from moepipe.errors import CheckpointError
+from moepipe.utils.bounded import ReadError, loads_json
+from moepipe.utils.fs import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER = 100 * 1024 * 1024
@@ -56,8 +57,8 @@ def parse_header(path: Path) -> dict[str, TensorInfo]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = loads_json(raw, str(path))
+    except ReadError:
         raise CheckpointError(f"{path}: safetensors header is not valid JSON",
                               "the file is corrupt; re-download or re-save it") from None
     if not isinstance(header, dict):
@@ -146,11 +147,10 @@ class CheckpointReader:
                                   "pass the folder that holds config.json and *.safetensors")
         index = self.folder / INDEX_FILE
         if index.exists():
-            try:
-                self._index = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            self._index = read_json(index, "the checkpoint folder").get("weight_map")
+            if not isinstance(self._index, dict):
                 raise CheckpointError(f"{index}: not a valid safetensors index (weight_map)",
-                                      "the index file is corrupt") from None
+                                      "the index file is corrupt")
             files = sorted(set(self._index.values()))
             root = self.folder.resolve()
             outside = [f for f in files if not isinstance(f, str)

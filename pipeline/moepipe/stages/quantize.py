@@ -29,6 +29,7 @@ from moepipe.errors import ConfigError, EnvironmentMissing, MoepipeError, Unsupp
 from moepipe.quant.recipe import FORMATS, export_unified, quant_config
 from moepipe.stages.base import BuildContext, Stage, gib
 from moepipe.stages.source import source_spec
+from moepipe.utils.bounded import ReadError, read_prefix
 
 AWQ_BLOCK = 128
 HELDOUT = "heldout.json"
@@ -66,6 +67,34 @@ def check_dimensions(fmt: str, spec) -> None:
                                "choose fp8 or int8_sq for this model")
 
 
+# Bytes of a calibration set read per token needed: a token is a few bytes of text; the rest of
+# a large dataset is never read (it was read and tokenized whole).
+CALIBRATION_BYTES_PER_TOKEN = 64
+
+
+def _dataset_texts(path: Path, field: str, tokens: int) -> list[str]:
+    """The texts of a .txt or .jsonl calibration set, as far as ``tokens`` tokens need."""
+    limit = max(CALIBRATION_BYTES_PER_TOKEN * tokens, 1 << 20)
+    try:
+        raw, whole = read_prefix(path, limit, "calibration set")
+    except ReadError as e:
+        raise ConfigError(f"quantize.calibration.dataset: {e.message}", e.hint) from None
+    if path.suffix != ".jsonl":
+        return [raw.decode("utf-8", errors="replace")]
+    lines = raw.split(b"\n")
+    if not whole:
+        lines.pop()  # cut off at the limit
+    texts = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                texts.append(str(json.loads(line)[field]))
+            except (ValueError, KeyError, TypeError, RecursionError):
+                raise ConfigError(f"{path}:{n}: not a JSON object with a '{field}' field",
+                                  "set quantize.calibration.text_field") from None
+    return texts
+
+
 def calibration_tokens(cfg: MoepipeConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
     """(calibration sequences, held-out sequences) of ``seq_len`` tokens each."""
     from moepipe.examples.trained import heldout_text
@@ -76,18 +105,9 @@ def calibration_tokens(cfg: MoepipeConfig, tokenizer) -> tuple[list[list[int]], 
     elif not cal.dataset.is_file():
         raise ConfigError(f"quantize.calibration.dataset: {cal.dataset} does not exist",
                           "give a local .txt or .jsonl file (nothing is downloaded)")
-    elif cal.dataset.suffix == ".jsonl":
-        texts = []
-        for n, line in enumerate(cal.dataset.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    texts.append(str(json.loads(line)[cal.text_field]))
-                except (ValueError, KeyError, TypeError):
-                    raise ConfigError(f"{cal.dataset}:{n}: not a JSON object with a "
-                                      f"'{cal.text_field}' field",
-                                      "set quantize.calibration.text_field") from None
     else:
-        texts = [cal.dataset.read_text(errors="replace")]
+        texts = _dataset_texts(cal.dataset, cal.text_field,
+                               (cal.samples + cal.eval_samples) * cal.seq_len)
     stream: list[int] = []
     for text in texts:
         stream += tokenizer(text, add_special_tokens=False).input_ids

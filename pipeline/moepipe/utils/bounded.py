@@ -60,6 +60,17 @@ def file_kind(mode: int) -> str:
 def read_file(path: os.PathLike | str, limit: int, what: str = "file") -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` of them; a ReadError naming
     the path for anything else (missing, unreadable, not a regular file, too large)."""
+    return _read(path, limit, what, prefix=False)[0]
+
+
+def read_prefix(path: os.PathLike | str, limit: int, what: str = "file"
+                ) -> tuple[bytes, bool]:
+    """(the first ``limit`` bytes of the regular file ``path``, whether that is all of it):
+    for inputs of which moepipe needs only a part (a calibration set of any size)."""
+    return _read(path, limit, what, prefix=True)
+
+
+def _read(path: os.PathLike | str, limit: int, what: str, prefix: bool) -> tuple[bytes, bool]:
     hint = f"give moepipe a regular {what} of at most {size_text(limit)}"
     try:
         # O_NONBLOCK: opening a named pipe does not wait for a writer; fstat decides below.
@@ -70,7 +81,7 @@ def read_file(path: os.PathLike | str, limit: int, what: str = "file") -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ReadError(f"{path}: is {file_kind(st.st_mode)}, not a regular file", hint)
-        if st.st_size > limit:
+        if st.st_size > limit and not prefix:
             raise ReadError(f"{path}: {size_text(st.st_size)} is larger than the "
                             f"{size_text(limit)} moepipe reads of a {what}", hint)
         os.set_blocking(fd, True)
@@ -85,10 +96,11 @@ def read_file(path: os.PathLike | str, limit: int, what: str = "file") -> bytes:
         raise ReadError(f"{path}: cannot read ({e.strerror})", hint) from None
     finally:
         os.close(fd)
-    if total > limit:
+    data = b"".join(chunks)
+    if total > limit and not prefix:
         raise ReadError(f"{path}: larger than the {size_text(limit)} moepipe reads of a {what}",
                         hint)
-    return b"".join(chunks)
+    return data[:limit], total <= limit
 
 
 def refuse_pickle(raw: bytes, where: str) -> None:

@@ -12,17 +12,20 @@ from typing import Any
 import yaml
 
 from moepipe.errors import ConfigError
+from moepipe.utils import bounded
+from moepipe.utils.bounded import MiB
+
+# A moepipe.yaml is read whole; far more than any config (its prompts included).
+CONFIG_LIMIT = 16 * MiB
 
 
 def decode_utf8(path: Path) -> str:
-    """The file's text; a file that is not UTF-8 is refused naming the line."""
-    raw = path.read_bytes()
+    """The file's text (a regular file of at most CONFIG_LIMIT bytes); a file that is not
+    UTF-8 is refused naming the line."""
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x})",
-                          "save the file as UTF-8") from None
+        return bounded.read_text(path, CONFIG_LIMIT, "config file")
+    except bounded.ReadError as e:
+        raise ConfigError(e.message, e.hint) from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -21,6 +21,16 @@ class ClientError(RuntimeError):
     """The server answered with an error (message as the server gave it)."""
 
 
+# An answer (or a whole event stream) moepipe reads: a generate response of a few thousand
+# tokens is kilobytes; a server that sends more is broken.
+RESPONSE_LIMIT = 64 << 20
+
+
+def _check_size(read: int) -> None:
+    if read > RESPONSE_LIMIT:
+        raise ClientError(f"the server answered more than {RESPONSE_LIMIT >> 20} MiB")
+
+
 def _http_base(url: str) -> str:
     return url if url.startswith("http") else f"http://{url}"
 
@@ -31,9 +41,10 @@ def http_json(url: str, path: str, payload: dict | None = None, timeout: float =
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            body = r.read()
+            body = r.read(RESPONSE_LIMIT + 1)
+            _check_size(len(body))
     except urllib.error.HTTPError as e:
-        body = e.read()
+        body = e.read(RESPONSE_LIMIT)
         try:
             raise ClientError(json.loads(body).get("error", body.decode())) from None
         except json.JSONDecodeError:
@@ -65,12 +76,17 @@ def generate_stream(url: str, model: str, payload: dict, timeout: float = 60) ->
 
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            # pieces as they arrive: the parser finds the events whatever their boundaries
+            # pieces as they arrive: the parser finds the events whatever their boundaries;
+            # the whole stream is bounded (a server that never ends an event would fill the
+            # parser's buffer)
+            read = 0
             while piece := r.read1(1 << 16):
+                read += len(piece)
+                _check_size(read)
                 add(parser.feed(piece))
             add(parser.close())
     except urllib.error.HTTPError as e:
-        body = e.read()
+        body = e.read(RESPONSE_LIMIT)
         add([*parser.feed(body), *parser.close()])  # an error event raises
         raise ClientError(f"HTTP {e.code}: {body[:200].decode(errors='replace')}") from None
     return events
