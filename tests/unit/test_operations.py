@@ -151,7 +151,8 @@ def test_kubernetes_manifests_pass_kustomize_and_validators(tmp_path, target, ex
         assert shm["medium"] == "Memory"
         (c,) = spec["containers"]
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-        assert {"name": "workdir", "mountPath": str(cfg.workdir)} in c["volumeMounts"]
+        assert {"name": "workdir", "mountPath": str(cfg.workdir),
+                "readOnly": True} in c["volumeMounts"]
         assert c["resources"]["limits"].get("nvidia.com/gpu", 0) == gpus
         assert c["resources"]["requests"].get("nvidia.com/gpu", 0) == gpus
         if target != "cpu":

@@ -6,14 +6,15 @@ groups are one leader + ``nodes - 1`` workers, a headless Service for the group'
 ClusterIP Service on the leaders, and the RBAC + ``kubessh`` agent through which the leader's
 ``mpirun`` starts the ranks of the workers (the pattern of LWS's TensorRT-LLM example,
 kubernetes-sigs/lws docs/examples/tensorrt-llm). Both shapes get probes on Triton's
-``/v2/health/{live,ready}``, ``/dev/shm`` as a memory emptyDir, ``nvidia.com/gpu`` requests on
-GPU targets, a non-root security context, a HorizontalPodAutoscaler on a custom metric (served
+``/v2/health/{live,ready}``, ``nvidia.com/gpu`` requests on GPU targets, the accounts, rights,
+non-root read-only-root security context and writable volumes of
+:mod:`moepipe.deploy.cluster.pod_security`, a HorizontalPodAutoscaler on a custom metric (served
 by prometheus-adapter, whose rule ``monitoring/prometheus-adapter.yaml`` holds) and a
 PodDisruptionBudget.
 
 The pods read the deployment through its absolute paths (config.pbtxt names the engine, the
 checkpoint and the tokenizer by path), so the PersistentVolumeClaim ``deploy.k8s.volume_claim``
-must hold the workdir and is mounted at the workdir's own path.
+must hold the workdir and is mounted, read-only, at the workdir's own path.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from moepipe.deploy.cluster import pod_security
 from moepipe.deploy.tritonserver import SERVER_STACK_BYTES
 from moepipe.errors import ConfigError
 
@@ -36,7 +38,6 @@ PART_LABEL = "app.kubernetes.io/part-of"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 # Triton's ports, by name: the Service, probes and scrape configs refer to these names.
 PORT_NAMES = ("http", "grpc", "metrics")
-UID = 1000  # the Dockerfile's user (NVIDIA's triton-server user in the NGC images)
 # Python-backend shared memory per Python model instance (its region starts at 1 MiB and grows
 # in 1 MiB steps with the tensors in flight; python_backend README "Managing Shared Memory").
 SHM_PER_PYTHON_INSTANCE_MIB = 64
@@ -156,11 +157,11 @@ def container(plan: PodPlan, name: str, command: list[str], *, serving: bool) ->
         "name": name, "image": plan.image, "imagePullPolicy": "IfNotPresent",
         "command": command,
         "resources": {"limits": limits, "requests": requests},
-        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
-                            "allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
-                         {"name": "workdir", "mountPath": str(plan.workdir)}],
+        "securityContext": pod_security.container_security(),
+        "env": list(pod_security.ENV),
+        "volumeMounts": [*(m for _, m in pod_security.writable_volumes(plan.shm_mib)),
+                         {"name": "workdir", "mountPath": str(plan.workdir),
+                          "readOnly": True}],
     }
     if serving:
         c["ports"] = [{"name": n, "containerPort": plan.ports[n], "protocol": "TCP"}
@@ -173,20 +174,21 @@ def container(plan: PodPlan, name: str, command: list[str], *, serving: bool) ->
     return c
 
 
-def pod_spec(plan: PodPlan, containers: list[dict], service_account: str | None = None
-             ) -> dict[str, Any]:
+def pod_spec(plan: PodPlan, containers: list[dict], service_account: str | None = None,
+             api_access: bool = False) -> dict[str, Any]:
+    """A pod of ``containers``; only a pod with ``api_access`` (a group's leader) gets a
+    service-account token mounted (moepipe.deploy.cluster.pod_security)."""
     spec: dict[str, Any] = {
-        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
-                            "fsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": pod_security.pod_security(),
         # Triton drains in-flight requests for exit_timeout_s after SIGTERM.
         "terminationGracePeriodSeconds": plan.exit_timeout_s + 15,
         "containers": containers,
         "volumes": [
-            {"name": "dshm", "emptyDir": {"medium": "Memory",
-                                          "sizeLimit": _mi(plan.shm_mib)}},
+            *(v for v, _ in pod_security.writable_volumes(plan.shm_mib)),
             {"name": "workdir", "persistentVolumeClaim": {"claimName": plan.volume_claim,
                                                           "readOnly": True}},
         ],
+        "automountServiceAccountToken": api_access,
     }
     if plan.gpus:
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists",
@@ -333,21 +335,6 @@ def leader_script(plan: PodPlan, shape_: Shape) -> str:
             .replace("__RAISE_STACK__", RAISE_STACK))
 
 
-def rbac(name: str) -> list[dict[str, Any]]:
-    """The leader looks up its workers and execs into them (mpirun's kubessh agent)."""
-    return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(name, name)},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-         "metadata": meta(name, name),
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                   {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-         "metadata": meta(name, name),
-         "subjects": [{"kind": "ServiceAccount", "name": name}],
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}},
-    ]
-
-
 def leader_worker_set(plan: PodPlan, shape_: Shape, replicas: int) -> dict[str, Any]:
     app = plan.name
     scripts = {"name": "scripts", "configMap": {"name": f"{app}-launch", "defaultMode": 0o555}}
@@ -355,9 +342,11 @@ def leader_worker_set(plan: PodPlan, shape_: Shape, replicas: int) -> dict[str, 
 
     def template(role: str, command: list[str], serving: bool) -> dict[str, Any]:
         c = container(plan, "triton", command, serving=serving)
-        c["env"] = env
+        c["env"] += env
         c["volumeMounts"].append({"name": "scripts", "mountPath": "/opt/moepipe"})
-        spec = pod_spec(plan, [c], service_account=app)
+        leader = role == "leader"  # only the leader's kubessh talks to the API server
+        account = (pod_security.leader_account if leader else pod_security.worker_account)(app)
+        spec = pod_spec(plan, [c], service_account=account, api_access=leader)
         spec["volumes"].append(scripts)
         return {"metadata": {"labels": labels(app, role=role)}, "spec": spec}
 
@@ -405,7 +394,7 @@ def objects(plan: PodPlan, shape_: Shape, *, min_replicas: int, max_replicas: in
     return {
         "leaderworkerset.yaml": [leader_worker_set(plan, shape_, min_replicas)],
         "launch-configmap.yaml": [launch_config_map(plan, shape_)],
-        "rbac.yaml": rbac(app),
+        "rbac.yaml": pod_security.rbac(app, meta),
         # The leaders serve; the headless Service gives every pod of a group a DNS name.
         "service.yaml": [service(plan, selector=leaders),
                          service(plan, selector={APP_LABEL: app}, headless=True,
