@@ -6,8 +6,9 @@ choices. Relative paths are resolved against the folder of the YAML file.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -41,9 +42,39 @@ DEFAULT_PROMPTS = [
 Target = Literal["cpu", "trtllm-engine", "trtllm-pytorch"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 
+# The largest value of each kind of number moepipe.yaml holds: what the machine, Triton and
+# TensorRT-LLM can honour. Every numeric field has a bound (a test walks the model), so no
+# single value can exhaust a machine's processes, threads, memory or time (issue 26).
+HOUR_S, DAY_S, WEEK_S = 3_600, 86_400, 7 * 86_400
+HOUR_MS, DAY_MS, DAY_US = HOUR_S * 1000, DAY_S * 1000, DAY_S * 1_000_000
+MAX_GPUS = 1024  # a parallel size (the widest expert-parallel deployments use a few hundred)
+MAX_GPUS_PER_NODE = 64
+MAX_CORES = 1024  # CPU cores of a pod
+MAX_MEMORY_GIB = 16384  # of a GPU or a pod
+MAX_TOKENS = 1 << 24  # a sequence, a step, a generation
+MAX_KV_TOKENS = 1 << 32  # KV-cache tokens of a whole deployment
+MAX_BATCH = 4096
+MAX_BEAM = 1024
+MAX_REQUESTS = 1 << 20  # requests of a job, queued requests, samples, kept iterations
+MAX_WORKERS = 256  # processes a build stage starts
+MAX_INSTANCES = 256  # Python-model instances (Triton starts a process for each)
+MAX_THREADS = 1024  # torch threads of the cpu engine
+PER_CORE = 4  # instance_count and cpu_threads: at most this many per core of the machine
+MAX_CLIENT_PROCESSES = 64  # load-driver processes
+MAX_INFLIGHT = 16384  # open requests of the load driver (a socket each)
+MAX_USERS = 4096  # closed-loop users
+MAX_RATE = 100_000.0  # requests/s
+MAX_REPLICAS = 10_000
+MAX_COUNT_TOKENS = 1 << 53
+MAX_BINS = 100_000  # points of a timeline (burst: its seconds / bin_s)
+Users = Annotated[int, Field(ge=1, le=MAX_USERS)]
+Rate = Annotated[float, Field(gt=0, le=MAX_RATE)]
+
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: .inf and .nan are no timeout, rate or fraction (they passed and
+    # failed later: a ready timeout of .inf waited forever)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -77,11 +108,12 @@ class ModelSection(Section):
 
 
 class ParallelSection(Section):
-    tp: int = Field(1, ge=1, description="Tensor-parallel size.")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel size.")
-    moe_tp: int | None = Field(None, ge=1, description="MoE tensor-parallel size (default: "
-                                                        "derived, moe_tp * moe_ep = tp).")
-    moe_ep: int | None = Field(None, ge=1, description="MoE expert-parallel size.")
+    tp: int = Field(1, ge=1, le=MAX_GPUS, description="Tensor-parallel size.")
+    pp: int = Field(1, ge=1, le=MAX_GPUS, description="Pipeline-parallel size.")
+    moe_tp: int | None = Field(None, ge=1, le=MAX_GPUS,
+                               description="MoE tensor-parallel size (default: derived, moe_tp * "
+                                           "moe_ep = tp).")
+    moe_ep: int | None = Field(None, ge=1, le=MAX_GPUS, description="MoE expert-parallel size.")
     attention_dp: bool = Field(False, description="trtllm-pytorch: attention data parallelism "
                                "(LLM API enable_attention_dp): attention weights replicated, "
                                "each of the tp ranks serves its own requests; needs tp > 1.")
@@ -93,7 +125,7 @@ class ParallelSection(Section):
 
 
 class ConvertSection(Section):
-    workers: int = Field(1, ge=1, description="Ranks converted in parallel.")
+    workers: int = Field(1, ge=1, le=MAX_WORKERS, description="Ranks converted in parallel.")
 
 
 QuantFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"]
@@ -107,11 +139,13 @@ class CalibrationSection(Section):
     dataset: Path | None = Field(None, description="Text (.txt) or JSON-lines (.jsonl) file; "
                                                    "default: the corpus shipped with moepipe.")
     text_field: str = Field("text", description="The JSON-lines key holding the text.")
-    samples: int = Field(32, ge=1, description="Calibration sequences.")
-    seq_len: int = Field(64, ge=8, description="Tokens per calibration sequence.")
-    batch_size: int = Field(4, ge=1, description="Calibration sequences per forward pass.")
-    eval_samples: int = Field(8, ge=1, description="Held-out sequences (after the calibration "
-                                                   "ones) on which quality is measured.")
+    samples: int = Field(32, ge=1, le=MAX_REQUESTS, description="Calibration sequences.")
+    seq_len: int = Field(64, ge=8, le=MAX_TOKENS, description="Tokens per calibration sequence.")
+    batch_size: int = Field(4, ge=1, le=MAX_BATCH,
+                            description="Calibration sequences per forward pass.")
+    eval_samples: int = Field(8, ge=1, le=MAX_REQUESTS,
+                              description="Held-out sequences (after the calibration ones) on "
+                                          "which quality is measured.")
 
 
 class QualitySection(Section):
@@ -122,8 +156,9 @@ class QualitySection(Section):
                                              "unquantized model.")
     min_logit_cosine: float | None = Field(None, ge=-1, le=1, description="Mean cosine "
                                            "similarity of logits to the unquantized model's.")
-    max_ppl_delta: float | None = Field(None, ge=0, description="Largest allowed increase of "
-                                        "held-out perplexity over the unquantized model's.")
+    max_ppl_delta: float | None = Field(None, ge=0, le=1e6,
+                                        description="Largest allowed increase of held-out "
+                                                    "perplexity over the unquantized model's.")
 
 
 class QuantizeSection(Section):
@@ -150,16 +185,20 @@ class BuildSection(Section):
     allocates its KV cache from them."""
 
     max_batch_size: int = Field(8, ge=1, le=4096, description="Requests batched together.")
-    max_input_len: int = Field(1024, ge=1, description="Longest prompt, in tokens.")
-    max_seq_len: int = Field(2048, ge=2, description="Prompt + generated tokens, per request.")
-    max_num_tokens: int = Field(8192, ge=1, description="Tokens per engine step (trtllm).")
+    max_input_len: int = Field(1024, ge=1, le=MAX_TOKENS, description="Longest prompt, in tokens.")
+    max_seq_len: int = Field(2048, ge=2, le=MAX_TOKENS,
+                             description="Prompt + generated tokens, per request.")
+    max_num_tokens: int = Field(8192, ge=1, le=MAX_TOKENS,
+                                description="Tokens per engine step (trtllm).")
     # trtllm-engine: trtllm-build's other options (TensorRT-LLM 1.2's defaults) and the GPU
     # memory the pre-flight check of the limits assumes.
-    max_beam_width: int = Field(1, ge=1, description="Widest beam the engine is built for "
-                                                     "(deploy.trtllm.max_beam_width <= this).")
-    opt_num_tokens: int | None = Field(None, ge=1, description="Tokens per step the engine is "
-                                       "tuned for (unset: max_batch_size x max_beam_width); "
-                                       "not together with multiple_profiles.")
+    max_beam_width: int = Field(1, ge=1, le=MAX_BEAM,
+                                description="Widest beam the engine is built for "
+                                            "(deploy.trtllm.max_beam_width <= this).")
+    opt_num_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS,
+                                       description="Tokens per step the engine is tuned for "
+                                                   "(unset: max_batch_size x max_beam_width); not "
+                                                   "together with multiple_profiles.")
     gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "nvfp4",
                          "disable"] | None = Field(
         None, description="cuBLASLt GEMM plugin ('auto': the checkpoint's dtype; unset: "
@@ -175,13 +214,14 @@ class BuildSection(Section):
                                                        "engine); not with opt_num_tokens.")
     logits_dtype: Literal["float32", "float16"] = Field("float32", description="dtype of "
                                                         "the engine's logits.")
-    workers: int = Field(1, ge=1, description="Ranks trtllm-build builds in parallel (at most "
-                                              "one per GPU).")
+    workers: int = Field(1, ge=1, le=MAX_WORKERS,
+                         description="Ranks trtllm-build builds in parallel (at most one per "
+                                     "GPU).")
     plugins: PluginsSection = Field(default_factory=PluginsSection,
                                     description="moepipe's plugins in the engine.")
-    gpu_memory_gb: float = Field(80, gt=0, description="Memory of one GPU in GiB (80 for an "
-                                                       "80 GB H100), for the pre-flight check "
-                                                       "of these limits.")
+    gpu_memory_gb: float = Field(80, gt=0, le=MAX_MEMORY_GIB,
+                                 description="Memory of one GPU in GiB (80 for an 80 GB H100), "
+                                             "for the pre-flight check of these limits.")
 
     @model_validator(mode="after")
     def _input_fits(self):
@@ -202,15 +242,17 @@ class TrtllmDeploySection(Section):
     batch_scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
         "guaranteed_no_evict", description="guaranteed_no_evict never pauses a started "
                                            "request; max_utilization packs more requests.")
-    max_beam_width: int = Field(1, ge=1, description="Widest beam a request may ask for (at "
-                                                     "most the engine's).")
+    max_beam_width: int = Field(1, ge=1, le=MAX_BEAM,
+                                description="Widest beam a request may ask for (at most the "
+                                            "engine's).")
     kv_cache_free_gpu_mem_fraction: float = Field(
         0.9, gt=0, le=1, description="Fraction of the GPU memory left after loading the "
                                      "weights that the KV cache may take.")
-    max_tokens_in_paged_kv_cache: int | None = Field(
-        None, ge=1, description="Cap on KV-cache tokens (unset: sized by the fraction alone).")
+    max_tokens_in_paged_kv_cache: int | None = Field(None, ge=1, le=MAX_KV_TOKENS,
+                                                     description="Cap on KV-cache tokens (unset: "
+                                                                 "sized by the fraction alone).")
     max_attention_window_size: int | None = Field(
-        None, ge=1, description="Tokens attended per step (unset: max_seq_len).")
+        None, ge=1, le=MAX_TOKENS, description="Tokens attended per step (unset: max_seq_len).")
     enable_kv_cache_reuse: bool = Field(True, description="Reuse KV blocks of shared prompt "
                                                           "prefixes.")
     enable_chunked_context: bool = Field(False, description="Split long prompts into chunks "
@@ -220,14 +262,16 @@ class TrtllmDeploySection(Section):
     decoding_mode: Literal["top_k", "top_p", "top_k_top_p", "beam_search"] | None = Field(
         None, description="trtllm-engine (unset: top_k_top_p, or beam_search when "
                           "max_beam_width > 1).")
-    cancellation_check_period_ms: int = Field(
-        100, ge=1, description="trtllm-engine: how often cancelled requests are looked for.")
+    cancellation_check_period_ms: int = Field(100, ge=1, le=HOUR_MS,
+                                              description="trtllm-engine: how often cancelled "
+                                                          "requests are looked for.")
     stats_check_period_ms: int = Field(
-        100, ge=1, description="trtllm-engine: how often statistics are collected.")
+        100, ge=1, le=HOUR_MS, description="trtllm-engine: how often statistics are collected.")
     iter_stats_max_iterations: int = Field(
-        1000, ge=0, description="trtllm-engine: iterations of statistics kept.")
-    request_stats_max_iterations: int = Field(
-        0, ge=0, description="trtllm-engine: iterations of per-request statistics kept.")
+        1000, ge=0, le=MAX_REQUESTS, description="trtllm-engine: iterations of statistics kept.")
+    request_stats_max_iterations: int = Field(0, ge=0, le=MAX_REQUESTS,
+                                              description="trtllm-engine: iterations of "
+                                                          "per-request statistics kept.")
     moe_backend: Literal["CUTLASS", "CUTEDSL", "WIDEEP", "TRTLLM", "DEEPGEMM", "VANILLA",
                          "TRITON"] = Field(
         "CUTLASS", description="trtllm-pytorch: moe_config.backend (CUTLASS: TensorRT-LLM "
@@ -236,6 +280,19 @@ class TrtllmDeploySection(Section):
         None, description="trtllm-pytorch: a `moepipe balance` placement file, rendered as "
                           "moe_config.load_balancer (needs parallel.attention_dp, moe_ep >= 2 "
                           "and moe_backend WIDEEP).")
+
+
+# Kubernetes names (k8s.io/apimachinery validation: IsDNS1123Label, IsDNS1123Subdomain) and
+# image references; moepipe's object names get suffixes (-launch, -leader), hence 40 for name.
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+DNS1123_LABEL = re.compile(_LABEL)
+_NAMES: dict[str, tuple[re.Pattern[str], int, str]] = {
+    "name": (DNS1123_LABEL, 40, "a DNS-1123 label (lower-case letters, digits, '-')"),
+    "namespace": (DNS1123_LABEL, 63, "a DNS-1123 label (lower-case letters, digits, '-')"),
+    "volume_claim": (re.compile(rf"{_LABEL}(\.{_LABEL})*"), 253,
+                     "a DNS-1123 subdomain (lower-case letters, digits, '-', '.')"),
+    "image": (re.compile(r"[\x21-\x7e]+"), 4096, "an image reference (no spaces)"),
+}
 
 
 class K8sSection(Section):
@@ -251,20 +308,35 @@ class K8sSection(Section):
     volume_claim: str = Field("moepipe-work", description="PersistentVolumeClaim holding the "
                                                           "workdir; mounted at the workdir's "
                                                           "path.")
-    gpus_per_node: int = Field(8, ge=1, description="GPUs per node; a larger world size "
-                                                    "becomes a multi-node LeaderWorkerSet.")
-    cpus: float = Field(4, gt=0, description="CPU cores requested per pod.")
-    memory_gib: float | None = Field(None, gt=0, description="Memory per pod (unset: "
-                                                              "estimated from the served "
-                                                              "weights and KV cache).")
-    min_replicas: int = Field(1, ge=1, description="Replicas (LeaderWorkerSet: groups) the "
-                                                  "autoscaler keeps at least.")
-    max_replicas: int = Field(4, ge=1, description="Replicas the autoscaler may add up to.")
+    gpus_per_node: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE,
+                               description="GPUs per node; a larger world size becomes a "
+                                           "multi-node LeaderWorkerSet.")
+    cpus: float = Field(4, gt=0, le=MAX_CORES, description="CPU cores requested per pod.")
+    memory_gib: float | None = Field(None, gt=0, le=MAX_MEMORY_GIB,
+                                     description="Memory per pod (unset: estimated from the "
+                                                 "served weights and KV cache).")
+    min_replicas: int = Field(1, ge=1, le=MAX_REPLICAS,
+                              description="Replicas (LeaderWorkerSet: groups) the autoscaler "
+                                          "keeps at least.")
+    max_replicas: int = Field(4, ge=1, le=MAX_REPLICAS,
+                              description="Replicas the autoscaler may add up to.")
     autoscale_metric: Literal["pending_requests", "queue_compute_ratio"] = Field(
         "pending_requests", description="HPA metric per pod (prometheus-adapter): Triton's "
                                         "queued requests, or queue time / compute time.")
-    autoscale_target: float = Field(4, gt=0, description="Average value per pod the "
+    autoscale_target: float = Field(4, gt=0, le=1e6, description="Average value per pod the "
                                                          "autoscaler keeps the metric at.")
+
+    @field_validator("name", "namespace", "volume_claim", "image")
+    @classmethod
+    def _kubernetes_names(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Names Kubernetes would refuse at apply time, refused here (fullmatch: a regex's
+        ``$`` also matches before a final newline, and "moepipe\\n" passed)."""
+        if value is None:
+            return value
+        rule, most, what = _NAMES[info.field_name or ""]
+        if len(value) > most or not rule.fullmatch(value):
+            raise ValueError(f"not {what} of at most {most} characters")
+        return value
 
     @model_validator(mode="after")
     def _replicas(self):
@@ -277,17 +349,19 @@ class K8sSection(Section):
 class MonitoringSection(Section):
     """Prometheus scrape config, alert rules and Grafana dashboard in <deploy>/monitoring."""
 
-    scrape_interval_s: int = Field(15, ge=1, description="How often Prometheus scrapes.")
-    evaluation_interval_s: int = Field(15, ge=1, description="How often rules are "
+    scrape_interval_s: int = Field(15, ge=1, le=HOUR_S, description="How often Prometheus scrapes.")
+    evaluation_interval_s: int = Field(15, ge=1, le=HOUR_S, description="How often rules are "
                                                              "evaluated.")
-    rate_window_s: int = Field(300, ge=1, description="Window of the rates the rules read.")
-    alert_for_s: int = Field(600, ge=0, description="How long a condition holds before its "
-                                                    "alert fires.")
-    slo_p99_ms: float = Field(5000, gt=0, description="p99 request latency objective.")
+    rate_window_s: int = Field(300, ge=1, le=WEEK_S,
+                               description="Window of the rates the rules read.")
+    alert_for_s: int = Field(600, ge=0, le=WEEK_S,
+                             description="How long a condition holds before its alert fires.")
+    slo_p99_ms: float = Field(5000, gt=0, le=DAY_MS, description="p99 request latency objective.")
     max_error_ratio: float = Field(0.01, ge=0, le=1, description="Failed / all requests.")
-    max_queue_ms: float = Field(1000, gt=0, description="Mean queue time per request.")
-    max_expert_imbalance: float = Field(1.0, gt=0, description="std/mean of the tokens per "
-                                                               "expert of a layer (0 = even).")
+    max_queue_ms: float = Field(1000, gt=0, le=DAY_MS, description="Mean queue time per request.")
+    max_expert_imbalance: float = Field(1.0, gt=0, le=1000,
+                                        description="std/mean of the tokens per expert of a layer "
+                                                    "(0 = even).")
 
 
 class FallbackSection(Section):
@@ -295,13 +369,17 @@ class FallbackSection(Section):
 
     config: Path = Field(description="moepipe.yaml of the fallback pipeline (same target and "
                                      "tokenizer; `moepipe build` it first).")
-    max_queue: int = Field(8, ge=0, description="Requests the primary may hold before the "
-                                                "overflow goes to the fallback (0: no limit).")
-    failures: int = Field(5, ge=1, description="Failed primary requests within window_s that "
-                                               "open the circuit breaker.")
-    window_s: float = Field(30, gt=0, description="Window in which the failures are counted.")
-    cooldown_s: float = Field(10, ge=0, description="Open time before one probe request tries "
-                                                    "the primary again.")
+    max_queue: int = Field(8, ge=0, le=MAX_REQUESTS,
+                           description="Requests the primary may hold before the overflow goes to "
+                                       "the fallback (0: no limit).")
+    failures: int = Field(5, ge=1, le=MAX_REQUESTS,
+                          description="Failed primary requests within window_s that open the "
+                                      "circuit breaker.")
+    window_s: float = Field(30, gt=0, le=DAY_S,
+                            description="Window in which the failures are counted.")
+    cooldown_s: float = Field(10, ge=0, le=DAY_S,
+                              description="Open time before one probe request tries the primary "
+                                          "again.")
 
 
 class DeploySection(Section):
@@ -321,26 +399,34 @@ class DeploySection(Section):
     skip_special_tokens: bool = Field(True, description="Detokenizer drops special tokens "
                                                         "(BOS/EOS/PAD) from text_output.")
     accumulate_tokens: bool = Field(True, description="BLS streaming decodes all tokens so far.")
-    max_queue_delay_microseconds: int = Field(0, ge=0, description="How long Triton may hold "
-                                              "a request to batch it with others.")
-    max_queue_size: int = Field(64, ge=0, description="Requests that may wait for the engine "
-                                "(Triton's default_queue_policy; TensorRT-LLM's executor and "
-                                "the cpu engine bound their queue of requests waiting for a "
-                                "slot by it too); more are refused at once as busy "
-                                "(UNAVAILABLE: \"Exceeds maximum queue size\"). 0 = "
-                                "unlimited (Triton's and TensorRT-LLM's default).")
-    queue_timeout_microseconds: int = Field(0, ge=0, description="A request that waited this "
-                                            "long for the engine is refused as busy "
-                                            "(\"Request timeout expired\"; Triton's "
-                                            "default_timeout_microseconds; the cpu engine's "
-                                            "slot queue too). 0 = no limit.")
-    instance_count: int = Field(1, ge=1, description="Pre/postprocessing and BLS instances.")
-    cpu_threads: int = Field(1, ge=1, description="torch threads of the cpu target's engine.")
-    ready_timeout_s: float = Field(180.0, gt=0, description="How long deploy waits for ready.")
-    exit_timeout_s: int = Field(30, ge=1, description="Grace period for in-flight requests.")
-    max_restarts: int = Field(3, ge=0, description="cpu target: times the supervisor restarts "
-                                                   "a server whose process or a model process "
-                                                   "died (0: only stop it).")
+    max_queue_delay_microseconds: int = Field(0, ge=0, le=DAY_US,
+                                              description="How long Triton may hold a request to "
+                                                          "batch it with others.")
+    max_queue_size: int = Field(64, ge=0, le=MAX_REQUESTS,
+                                description="Requests that may wait for the engine (Triton's "
+                                            "default_queue_policy; TensorRT-LLM's executor and "
+                                            "the cpu engine bound their queue of requests waiting "
+                                            "for a slot by it too); more are refused at once as "
+                                            "busy (UNAVAILABLE: \"Exceeds maximum queue size\"). 0 "
+                                            "= unlimited (Triton's and TensorRT-LLM's default).")
+    queue_timeout_microseconds: int = Field(0, ge=0, le=DAY_US,
+                                            description="A request that waited this long for the "
+                                                        "engine is refused as busy (\"Request "
+                                                        "timeout expired\"; Triton's "
+                                                        "default_timeout_microseconds; the cpu "
+                                                        "engine's slot queue too). 0 = no limit.")
+    instance_count: int = Field(1, ge=1, le=MAX_INSTANCES,
+                                description="Pre/postprocessing and BLS instances.")
+    cpu_threads: int = Field(1, ge=1, le=MAX_THREADS,
+                             description="torch threads of the cpu target's engine.")
+    ready_timeout_s: float = Field(180.0, gt=0, le=DAY_S,
+                                   description="How long deploy waits for ready.")
+    exit_timeout_s: int = Field(30, ge=1, le=HOUR_S,
+                                description="Grace period for in-flight requests.")
+    max_restarts: int = Field(3, ge=0, le=1000,
+                              description="cpu target: times the supervisor restarts a server "
+                                          "whose process or a model process died (0: only stop "
+                                          "it).")
     tritonserver: Path | None = Field(None, description="tritonserver binary (default: PATH, "
                                                         "else the one in nvidia-pytriton).")
     trtllm: TrtllmDeploySection = Field(default_factory=TrtllmDeploySection,
@@ -361,15 +447,29 @@ class DeploySection(Section):
             raise ValueError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
         return self
 
+    def check_machine(self, cores: int) -> None:
+        """Refuse Python-model instances and engine threads that a machine of ``cores`` cores
+        cannot run (:data:`PER_CORE` per core): each instance is a process of its own with
+        its shared memory, each thread a thread; a million of either took the machine down.
+        Checked where the cpu target starts on this machine (``moepipe deploy``)."""
+        limit = PER_CORE * cores
+        for key in ("instance_count", "cpu_threads"):
+            value = getattr(self, key)
+            if value > limit:
+                raise ConfigError(f"deploy.{key}: {value} is more than this machine's {cores} "
+                                  f"core(s) can run (at most {PER_CORE} per core: {limit})",
+                                  f"set deploy.{key} to at most {limit}, or deploy on a "
+                                  "larger machine")
+
 
 class SloSection(Section):
     """Service-level objectives the ``perf`` job checks at every load point (unset: measured
     and reported, not enforced)."""
 
-    ttft_p99_ms: float | None = Field(None, gt=0, description="p99 time to first token.")
-    latency_p99_ms: float | None = Field(None, gt=0, description="p99 request latency.")
-    itl_p99_ms: float | None = Field(None, gt=0, description="p99 inter-token latency.")
-    min_output_tokens_per_s: float | None = Field(None, gt=0, description="Output tokens/s "
+    ttft_p99_ms: float | None = Field(None, gt=0, le=DAY_MS, description="p99 time to first token.")
+    latency_p99_ms: float | None = Field(None, gt=0, le=DAY_MS, description="p99 request latency.")
+    itl_p99_ms: float | None = Field(None, gt=0, le=DAY_MS, description="p99 inter-token latency.")
+    min_output_tokens_per_s: float | None = Field(None, gt=0, le=1e9, description="Output tokens/s "
                                                   "(the server's own counts).")
     max_error_rate: float | None = Field(0.0, ge=0, le=1, description="Share of requests "
                                          "rejected, failed or timed out.")
@@ -378,62 +478,80 @@ class SloSection(Section):
 class LoadSection(Section):
     """moepipe's load driver, shared by the load jobs."""
 
-    max_tokens: int = Field(16, ge=1, description="Tokens generated per request.")
-    processes: int = Field(1, ge=1, description="Client processes (raise when one core "
-                                                "saturates: the jobs report client CPU).")
-    max_inflight: int = Field(128, ge=1, description="Open loop: requests in flight at most; "
-                                                     "more arrivals are counted as not sent.")
-    request_timeout_s: float = Field(30.0, gt=0, description="Per request.")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description="Tokens generated per request.")
+    processes: int = Field(1, ge=1, le=MAX_CLIENT_PROCESSES,
+                           description="Client processes (raise when one core saturates: the jobs "
+                                       "report client CPU).")
+    max_inflight: int = Field(128, ge=1, le=MAX_INFLIGHT,
+                              description="Open loop: requests in flight at most; more arrivals "
+                                          "are counted as not sent.")
+    request_timeout_s: float = Field(30.0, gt=0, le=DAY_S, description="Per request.")
 
 
 class PerfSection(Section):
-    concurrency: list[int] = Field([1, 4], description="Closed-loop users per point.")
-    rates: list[float] = Field([4.0], description="Open-loop (Poisson) requests/s per point.")
-    requests: int = Field(24, ge=1, description="Requests per point (at most).")
-    duration_s: float = Field(20.0, gt=0, description="Seconds per point (at most).")
+    concurrency: list[Users] = Field([1, 4], description="Closed-loop users per point.")
+    rates: list[Rate] = Field([4.0], description="Open-loop (Poisson) requests/s per point.")
+    requests: int = Field(24, ge=1, le=MAX_REQUESTS, description="Requests per point (at most).")
+    duration_s: float = Field(20.0, gt=0, le=DAY_S, description="Seconds per point (at most).")
 
 
 class BurstSection(Section):
-    base_rate: float = Field(2.0, gt=0, description="Requests/s before and after the burst.")
-    factor: float = Field(5.0, ge=1, description="Burst rate = factor x base_rate.")
-    before_s: float = Field(6.0, gt=0, description="Seconds at base rate before the burst.")
-    burst_s: float = Field(6.0, gt=0, description="Seconds of the burst.")
-    after_s: float = Field(8.0, gt=0, description="Seconds at base rate after the burst.")
-    bin_s: float = Field(1.0, gt=0, description="Timeline resolution.")
-    tolerance: float = Field(1.5, ge=1, description="p99 counts as recovered within this "
+    base_rate: float = Field(2.0, gt=0, le=MAX_RATE,
+                             description="Requests/s before and after the burst.")
+    factor: float = Field(5.0, ge=1, le=1000, description="Burst rate = factor x base_rate.")
+    before_s: float = Field(6.0, gt=0, le=DAY_S,
+                            description="Seconds at base rate before the burst.")
+    burst_s: float = Field(6.0, gt=0, le=DAY_S, description="Seconds of the burst.")
+    after_s: float = Field(8.0, gt=0, le=DAY_S, description="Seconds at base rate after the burst.")
+    bin_s: float = Field(1.0, gt=0, le=DAY_S, description="Timeline resolution.")
+    tolerance: float = Field(1.5, ge=1, le=1000, description="p99 counts as recovered within this "
                                                     "factor of the pre-burst p99.")
-    max_recovery_s: float | None = Field(None, gt=0, description="Gate: seconds after the "
-                                         "burst until p99 is back within tolerance.")
+    max_recovery_s: float | None = Field(None, gt=0, le=DAY_S,
+                                         description="Gate: seconds after the burst until p99 is "
+                                                     "back within tolerance.")
+
+    @model_validator(mode="after")
+    def _timeline(self):
+        """The job keeps a row per bin of its timeline: bin_s: 1e-6 made 20 million of them."""
+        seconds = self.before_s + self.burst_s + self.after_s
+        if seconds / self.bin_s > MAX_BINS:
+            raise ValueError(f"bin_s {self.bin_s:g} cuts the job's {seconds:g} s into more than "
+                             f"{MAX_BINS} bins; use bin_s >= {seconds / MAX_BINS:.3g}")
+        return self
 
 
 class LongTailSection(Section):
-    rate: float = Field(3.0, gt=0, description="Requests/s.")
-    duration_s: float = Field(8.0, gt=0, description="Seconds per phase (without, with).")
+    rate: float = Field(3.0, gt=0, le=MAX_RATE, description="Requests/s.")
+    duration_s: float = Field(8.0, gt=0, le=DAY_S, description="Seconds per phase (without, with).")
     long_share: float = Field(0.1, gt=0, lt=1, description="Share of long prompts.")
-    long_prompt_tokens: int = Field(200, ge=8, description="Tokens of a long prompt (capped "
-                                                           "by build.max_input_len).")
-    max_short_p99_ratio: float | None = Field(None, ge=1, description="Gate: short-request "
-                                              "p99 with long prompts / without.")
+    long_prompt_tokens: int = Field(200, ge=8, le=MAX_TOKENS,
+                                    description="Tokens of a long prompt (capped by "
+                                                "build.max_input_len).")
+    max_short_p99_ratio: float | None = Field(None, ge=1, le=1000,
+                                              description="Gate: short-request p99 with long "
+                                                          "prompts / without.")
 
 
 class BalanceSection(Section):
-    requests: int = Field(24, ge=1, description="Requests sent between the two scrapes.")
-    concurrency: int = Field(4, ge=1, description="Closed-loop users sending them.")
-    duration_s: float = Field(60.0, gt=0, description="Seconds of traffic at most.")
-    min_tokens: int = Field(500, ge=1, description="Layers that routed fewer tokens are not "
-                                                   "judged.")
-    max_std_over_mean: float | None = Field(None, gt=0, description="Gate per layer: std/mean "
-                                            "of the expert load (off by default: random-"
-                                            "weight models are not balanced).")
+    requests: int = Field(24, ge=1, le=MAX_REQUESTS,
+                          description="Requests sent between the two scrapes.")
+    concurrency: int = Field(4, ge=1, le=MAX_USERS, description="Closed-loop users sending them.")
+    duration_s: float = Field(60.0, gt=0, le=DAY_S, description="Seconds of traffic at most.")
+    min_tokens: int = Field(500, ge=1, le=MAX_COUNT_TOKENS,
+                            description="Layers that routed fewer tokens are not judged.")
+    max_std_over_mean: float | None = Field(None, gt=0, le=1000,
+                                            description="Gate per layer: std/mean of the expert "
+                                                        "load (off by default: random-weight "
+                                                        "models are not balanced).")
 
 
 class RecoverySection(Section):
     kill: list[Literal["server", "backend"]] = Field(
         ["server", "backend"], description="What is killed (SIGKILL), in turn.")
-    rate: float = Field(2.0, gt=0, description="Requests/s during the job.")
-    warmup_s: float = Field(3.0, gt=0, description="Load before the kill.")
-    after_s: float = Field(3.0, ge=0, description="Load after the deadline.")
-    max_seconds: float = Field(60.0, gt=0, description="Gate: kill -> first successful "
+    rate: float = Field(2.0, gt=0, le=MAX_RATE, description="Requests/s during the job.")
+    warmup_s: float = Field(3.0, gt=0, le=DAY_S, description="Load before the kill.")
+    after_s: float = Field(3.0, ge=0, le=DAY_S, description="Load after the deadline.")
+    max_seconds: float = Field(60.0, gt=0, le=DAY_S, description="Gate: kill -> first successful "
                                                        "response.")
 
 
@@ -446,11 +564,12 @@ class ValidateSection(Section):
                                                                    "runs.")
     prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1,
                                description="Prompts the smoke and accuracy jobs send.")
-    max_tokens: int = Field(16, ge=1, description="Tokens generated per validation request.")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS,
+                            description="Tokens generated per validation request.")
     min_token_agreement: float = Field(
         1.0, ge=0, le=1, description="accuracy: fraction of greedy tokens that must equal "
                                      "Hugging Face's (1.0 = identical, right for float32).")
-    timeout_s: float = Field(120.0, gt=0, description="Per-request timeout of validation "
+    timeout_s: float = Field(120.0, gt=0, le=DAY_S, description="Per-request timeout of validation "
                                                       "requests, in seconds.")
     slo: SloSection = Field(default_factory=SloSection, description="perf: latency and "
                                                                     "throughput objectives.")
@@ -611,7 +730,8 @@ def _keys(model: type[BaseModel]) -> dict[str, Any]:
 
 def _describe(err: dict[str, Any], model: type[BaseModel]) -> str:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-    path = ".".join(str(p) for p in loc) or "(top level)"
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") \
+        or "(top level)"
     kind = err["type"]
     if kind == "extra_forbidden":
         parent: type[BaseModel] | None = model
@@ -630,8 +750,10 @@ def _describe(err: dict[str, Any], model: type[BaseModel]) -> str:
     if isinstance(strict, StrictValueError):  # names the list item; says what it got
         return f"{path}{strict.where}: {strict.why}"
     msg = err["msg"].removeprefix("Value error, ")
-    return f"{path}: {msg} (got {err.get('input')!r})" if "input" in err and \
-        not isinstance(err.get("input"), dict) else f"{path}: {msg}"
+    if "input" not in err or isinstance(err.get("input"), dict):
+        return f"{path}: {msg}"
+    got = repr(err["input"])
+    return f"{path}: {msg} (got {got if len(got) <= 60 else got[:40] + '...'})"
 
 
 def parse_config(data: Any, source: str = "<config>", text: str | None = None) -> MoepipeConfig:

@@ -145,8 +145,11 @@ def _kind(annotation) -> str | None:
     if len(args) != 1:
         return None
     a = args[0]
-    if typing.get_origin(a) is list and typing.get_args(a)[0] in (int, float):
-        return f"list[{typing.get_args(a)[0].__name__}]"
+    if typing.get_origin(a) is list:
+        item = typing.get_args(a)[0]
+        if typing.get_origin(item) is typing.Annotated:  # a bounded item: list[Rate]
+            item = typing.get_args(item)[0]
+        return f"list[{item.__name__}]" if item in (int, float) else None
     return a.__name__ if a in (int, float, bool) else None
 
 

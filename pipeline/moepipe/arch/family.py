@@ -61,7 +61,7 @@ class Family:
     # Alternative HF name of a source (template -> template), tried when the first is absent.
     source_aliases: dict[str, str] = field(default_factory=dict)
     # HF tensors that exist on disk but carry nothing TensorRT-LLM needs (regex on the full name).
-    dropped: tuple[str, ...] = (r".*\.rotary_emb\.inv_freq$",)
+    dropped: tuple[str, ...] = (r".*\.rotary_emb\.inv_freq\Z",)
     # Why TensorRT-LLM 1.2 cannot build an engine of this family (None: it can).
     no_engine: str | None = None
     # Why TensorRT-LLM 1.2's PyTorch backend cannot serve it (None: it can).

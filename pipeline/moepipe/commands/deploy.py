@@ -92,6 +92,10 @@ def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
     left = lifecycle.clear(state_dir(cfg), repository_dir(cfg), current.get("pid"))
     if left:
         echo(f"deploy: stopped {len(left)} process(es) an earlier deployment left behind")
+    if cfg.target == "cpu":  # served here: only as many processes and threads as it can run
+        from moepipe.utils.memory import available_cpus
+
+        cfg.deploy.check_machine(available_cpus())
     art = artifacts(cfg)
     fallback = None
     if cfg.deploy.fallback is not None:

@@ -1,8 +1,25 @@
-"""How much host memory this process can still allocate (cgroup-aware)."""
+"""How much host memory this process can still allocate, and how many cores it may use
+(cgroup-aware)."""
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
+
+
+def available_cpus() -> int:
+    """Cores this process may run on: its CPU affinity, or fewer where a cgroup's CPU quota
+    (``cpu.max``: a container, a Kubernetes pod's limit) allows less."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def available_memory() -> int:

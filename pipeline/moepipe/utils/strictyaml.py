@@ -46,6 +46,20 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
+    def construct_bounded_int(self, node: yaml.ScalarNode) -> int:
+        """An integer of YAML; one of more digits than Python converts (a 5,000-digit port)
+        is refused naming its line instead of failing inside PyYAML."""
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            raise ConfigError(f"{self.source}:{node.start_mark.line + 1}: a number of "
+                              f"{len(node.value)} digits is not a value moepipe.yaml takes",
+                              "every number in moepipe.yaml has a bound (see `moepipe "
+                              "schema`)") from None
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_bounded_int)
+
 
 def load_yaml(text: str, source: str = "<config>") -> Any:
     """``yaml.safe_load`` that refuses duplicated keys."""
@@ -87,6 +101,8 @@ def _check(annotation: Any, value: Any, where: str = "") -> None:
     if value is None or len(members) != 1:
         return
     kind = members[0]
+    if typing.get_origin(kind) is typing.Annotated:  # a bounded item type: list[Rate]
+        kind = typing.get_args(kind)[0]
     if kind is bool and not isinstance(value, bool):
         raise StrictValueError(where, f"expected true or false, not {_show(value)}")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):

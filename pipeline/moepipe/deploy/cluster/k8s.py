@@ -20,7 +20,6 @@ must hold the workdir and is mounted, read-only, at the workdir's own path.
 from __future__ import annotations
 
 import math
-import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from moepipe.config import DNS1123_LABEL
 from moepipe.deploy.cluster import pod_security
 from moepipe.deploy.tritonserver import SERVER_STACK_BYTES
 from moepipe.errors import ConfigError
@@ -42,7 +42,6 @@ PORT_NAMES = ("http", "grpc", "metrics")
 # in 1 MiB steps with the tensors in flight; python_backend README "Managing Shared Memory").
 SHM_PER_PYTHON_INSTANCE_MIB = 64
 SHM_MIN_MIB = 1024
-_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def shape(target: str, world_size: int, gpus_per_node: int) -> Shape:
 
 
 def check_name(name: str, what: str) -> str:
-    if len(name) > 40 or not _DNS1123.match(name):
+    if len(name) > 40 or not DNS1123_LABEL.fullmatch(name):
         raise ConfigError(f"{what} {name!r} is not a Kubernetes name",
                           "lower-case letters, digits and '-', at most 40 characters")
     return name
