@@ -24,6 +24,7 @@ class ClientError(RuntimeError):
 # An answer (or a whole event stream) moepipe reads: a generate response of a few thousand
 # tokens is kilobytes; a server that sends more is broken.
 RESPONSE_LIMIT = 64 << 20
+EVENT_LINE_LIMIT = 1 << 20  # one line of an event stream (a token's event is ~100 bytes)
 
 
 def _check_size(read: int) -> None:
@@ -77,12 +78,17 @@ def generate_stream(url: str, model: str, payload: dict, timeout: float = 60) ->
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             # pieces as they arrive: the parser finds the events whatever their boundaries;
-            # the whole stream is bounded (a server that never ends an event would fill the
-            # parser's buffer)
-            read = 0
+            # the stream and each of its lines are bounded (a server that never ends a line
+            # would grow the parser's buffer, and copying it, without end)
+            read = line = 0
             while piece := r.read1(1 << 16):
                 read += len(piece)
                 _check_size(read)
+                cut = max(piece.rfind(b"\n"), piece.rfind(b"\r"))
+                line = line + len(piece) if cut < 0 else len(piece) - cut - 1
+                if line > EVENT_LINE_LIMIT:
+                    raise ClientError(f"the server sent a line of more than "
+                                      f"{EVENT_LINE_LIMIT >> 20} MiB in its event stream")
                 add(parser.feed(piece))
             add(parser.close())
     except urllib.error.HTTPError as e:
