@@ -153,6 +153,20 @@ def _kind(annotation) -> str | None:
     return a.__name__ if a in (int, float, bool) else None
 
 
+def config_with(key: str, value) -> dict:
+    """The tiny example's config with the dotted ``key`` set to ``value`` (an optional
+    section it passes through gets its required keys)."""
+    data: dict = {"model": {"example": "tiny-mixtral"}}
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if part == "fallback":
+            node["config"] = "fallback.yaml"
+    node[parts[-1]] = value
+    return data
+
+
 def test_numbers_and_booleans_are_taken_only_as_written_in_every_field():
     """`validate.perf.concurrency: [true, 2.0]` was accepted as [1, 2]: every int, float, bool
     and list field of the model refuses what lax conversion would accept, naming the key."""
@@ -162,16 +176,8 @@ def test_numbers_and_booleans_are_taken_only_as_written_in_every_field():
     for key, annotation in _leaves():
         kind = _kind(annotation)
         for value, where in WRONG.get(kind, []):
-            data: dict = {"model": {"example": "tiny-mixtral"}}
-            node = data
-            parts = key.split(".")
-            for part in parts[:-1]:
-                node = node.setdefault(part, {})
-                if part == "fallback":
-                    node["config"] = "fallback.yaml"
-            node[parts[-1]] = value
             with pytest.raises(ConfigError) as err:
-                parse_config(data, "moepipe.yaml")
+                parse_config(config_with(key, value), "moepipe.yaml")
             message = err.value.message
             assert f"moepipe.yaml: {key}{where}: expected " in message, (key, value, message)
             assert " (got " not in message

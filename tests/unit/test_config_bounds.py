@@ -11,6 +11,7 @@ import typing
 
 import annotated_types as at
 import pytest
+import test_config
 import yaml
 from pydantic import BaseModel
 
@@ -48,15 +49,7 @@ LEAVES = list(numeric_leaves())
 
 
 def config_with(key, value, listed=False):
-    data: dict = {"model": {"example": "tiny-mixtral"}}
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if part == "fallback":
-            node["config"] = "fallback.yaml"
-    node[parts[-1]] = [value] if listed else value
-    return data
+    return test_config.config_with(key, [value] if listed else value)
 
 
 def refused(key, value, listed=False):
