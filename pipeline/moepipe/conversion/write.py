@@ -25,6 +25,7 @@ from moepipe.checkpoints.digest import ALGORITHM, file_digest
 from moepipe.checkpoints.dtypes import DType
 from moepipe.checkpoints.fp8_block import Fp8BlockReader
 from moepipe.checkpoints.hashcache import cached_digest, remember
+from moepipe.checkpoints.manifest import MANIFEST, rank_file
 from moepipe.checkpoints.reader import CheckpointReader
 from moepipe.checkpoints.writer import BufferPool, SafetensorsWriter
 from moepipe.conversion.plan import (
@@ -42,7 +43,6 @@ from moepipe.utils.fs import STAGE_FILE, atomic_dir
 
 log = logging.getLogger("moepipe")
 
-MANIFEST = "moepipe-manifest.json"
 # Streaming block: small enough to stay in CPU cache between read, hash and write.
 BLOCK_BYTES = 1 << 20
 
@@ -104,12 +104,14 @@ def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: s
         (folder / "config.json").write_text(json.dumps(plan.config(), indent=4) + "\n")
         alias = AliasReader(reader, source_aliases(ckpt.family, ckpt.spec))
         with ThreadPoolExecutor(max_workers=min(workers, mapping.world_size)) as pool:
-            digests = list(pool.map(lambda r: _write_rank(plan, r, alias, folder, progress),
+            written = list(pool.map(lambda r: _write_rank(plan, r, alias, folder, progress),
                                     range(mapping.world_size)))
         files["config.json"] = file_digest(folder / "config.json")
-        for rank, digest in enumerate(digests):
-            files[f"rank{rank}.safetensors"] = digest
-            remember(folder / f"rank{rank}.safetensors", digest)  # the build needs no re-read
+        tensors: dict[str, dict[str, str]] = {}
+        for rank, (digest, per_tensor) in enumerate(written):
+            files[rank_file(rank)] = digest
+            tensors[rank_file(rank)] = per_tensor
+            remember(folder / rank_file(rank), digest)  # the build needs no re-read
         hasher.join()
         manifest = {
             "kind": "trtllm-checkpoint",
@@ -120,11 +122,13 @@ def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: s
             # digests under the name of their algorithm (older manifests: "sha256")
             "source": {"name": ckpt.path.resolve().name, ALGORITHM: source_hashes},
             "output": {ALGORITHM: files},
+            # each tensor's bytes: a live update reads only the tensors that changed
+            "tensors": {ALGORITHM: tensors},
             "versions": {"moepipe": __version__, "trtllm_format": TRTLLM_ENGINE_VERSION},
         }
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        written = sum(p.stat().st_size for p in folder.iterdir())
-    return ConvertResult(folder, plan, files, written, time.perf_counter() - start)
+        size = sum(p.stat().st_size for p in folder.iterdir())
+    return ConvertResult(folder, plan, files, size, time.perf_counter() - start)
 
 
 def _hash_sources(folder: Path, out: dict[str, str]) -> None:
@@ -139,9 +143,10 @@ def _hash_sources(folder: Path, out: dict[str, str]) -> None:
 
 
 def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path,
-                progress: Callable[[str], None] | None = None) -> str:
+                progress: Callable[[str], None] | None = None) -> tuple[str, dict[str, str]]:
+    """Write one rank file; returns its digest and its tensors' digests."""
     tensors = plan.ranks[rank]
-    writer = SafetensorsWriter(folder / f"rank{rank}.safetensors",
+    writer = SafetensorsWriter(folder / rank_file(rank),
                                [(t.name, t.dtype, t.shape) for t in tensors])
     pool, scratch = BufferPool(16, BLOCK_BYTES), Scratch()
     try:
@@ -155,7 +160,7 @@ def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path,
     log.info("rank %d: %d tensors written", rank, len(tensors))
     if progress is not None:
         progress(f"rank {rank}: {len(tensors)} tensors")
-    return digest
+    return digest, writer.tensor_digests
 
 
 class Scratch:

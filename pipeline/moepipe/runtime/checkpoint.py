@@ -43,6 +43,31 @@ _REQUIRED = ("architecture", "dtype", "hidden_size", "num_hidden_layers", "num_a
 
 def load_checkpoint(path: str | Path) -> TrtllmCheckpoint:
     path = Path(path)
+    cfg = read_config(path)
+    mapping = Mapping.from_trtllm(cfg["mapping"])
+    ranks = []
+    for rank in range(mapping.world_size):
+        file = path / f"rank{rank}.safetensors"
+        if not file.is_file():
+            raise CheckpointError(f"{path}: rank{rank}.safetensors is missing "
+                                  f"(world size {mapping.world_size})",
+                                  "the checkpoint is incomplete; convert it again")
+        ranks.append(load_file(file))
+    return with_tensors(path, cfg, ranks)
+
+
+def with_tensors(path: Path, cfg: dict[str, Any],
+                 ranks: list[dict[str, torch.Tensor]]) -> TrtllmCheckpoint:
+    """The checkpoint ``path`` with its config (:func:`read_config`) and these rank tensors."""
+    family = get_family_for_trtllm(cfg["architecture"])
+    return TrtllmCheckpoint(path=path, config=cfg, family=family,
+                            facts=family.runtime_facts(cfg),
+                            mapping=Mapping.from_trtllm(cfg["mapping"]),
+                            routing=RoutingSpec.from_checkpoint_config(cfg), ranks=ranks)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A checkpoint folder's ``config.json``, checked for what the reference runtime runs."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such directory",
                               "pass a TensorRT-LLM checkpoint folder made by `moepipe convert`")
@@ -51,7 +76,7 @@ def load_checkpoint(path: str | Path) -> TrtllmCheckpoint:
     if missing:
         raise CheckpointError(f"{path / 'config.json'}: missing {', '.join(missing)}",
                               "not a TensorRT-LLM checkpoint config")
-    family = get_family_for_trtllm(cfg["architecture"])
+    get_family_for_trtllm(cfg["architecture"])
     if cfg.get("position_embedding_type", "rope_gpt_neox") != "rope_gpt_neox":
         raise UnsupportedError(f"position_embedding_type {cfg['position_embedding_type']}")
     scaling = cfg.get("rotary_scaling")
@@ -64,15 +89,4 @@ def load_checkpoint(path: str | Path) -> TrtllmCheckpoint:
             raise UnsupportedError(f"{key} != 1 is not implemented by the reference runtime")
     if cfg.get("use_parallel_embedding"):
         raise UnsupportedError("use_parallel_embedding is not implemented by the reference runtime")
-    mapping = Mapping.from_trtllm(cfg["mapping"])
-    ranks = []
-    for rank in range(mapping.world_size):
-        file = path / f"rank{rank}.safetensors"
-        if not file.is_file():
-            raise CheckpointError(f"{path}: rank{rank}.safetensors is missing "
-                                  f"(world size {mapping.world_size})",
-                                  "the checkpoint is incomplete; convert it again")
-        ranks.append(load_file(file))
-    return TrtllmCheckpoint(path=path, config=cfg, family=family,
-                            facts=family.runtime_facts(cfg), mapping=mapping,
-                            routing=RoutingSpec.from_checkpoint_config(cfg), ranks=ranks)
+    return cfg

@@ -105,9 +105,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceModel:
-    """Forward passes over a loaded :class:`TrtllmCheckpoint`."""
+    """Forward passes over a loaded :class:`TrtllmCheckpoint`.
 
-    def __init__(self, ckpt: TrtllmCheckpoint, router: RouteFn = route_op):
+    ``previous``: the version of the same model this one replaces (a live weight update):
+    every float32 tensor made from the same checkpoint tensor objects is shared with it, and
+    so are the expert counters."""
+
+    def __init__(self, ckpt: TrtllmCheckpoint, router: RouteFn = route_op,
+                 previous: ReferenceModel | None = None):
         self.ckpt = ckpt
         self.route = router
         cfg = ckpt.config
@@ -137,7 +142,7 @@ class ReferenceModel:
                         for t in cfg.get("layer_types") or ()]
         if rot_dim != (self.mla.qk_rope_head_dim if self.mla else self.head_size):
             raise CheckpointError("partial rotary embeddings are not implemented")
-        load = WeightLoader(ckpt, self)
+        load = WeightLoader(ckpt, self, previous.loader if previous is not None else None)
         self.layers: list[Layer] = []
         for stage in range(m.pp):
             stage_ranks = [stage * m.tp + t for t in range(m.tp)]
@@ -147,7 +152,11 @@ class ReferenceModel:
         self.embedding = load.get(first, "transformer.vocab_embedding.weight")
         self.ln_f = load.get(last, "transformer.ln_f.weight")
         self.lm_head = [load.get(last + t, "lm_head.weight") for t in range(m.tp)]
-        self.expert_tokens = torch.zeros(ckpt.num_layers, self.num_experts, dtype=torch.long)
+        load.finish()
+        self.loader: WeightLoader = load  # what the next version reuses
+        self.expert_tokens: torch.Tensor = (
+            previous.expert_tokens if previous is not None
+            else torch.zeros(ckpt.num_layers, self.num_experts, dtype=torch.long))
 
     # -- forward -------------------------------------------------------------------------
     @torch.inference_mode()
