@@ -1,8 +1,11 @@
 """Live weight updates in the runtime: the converter's per-tensor digests say which tensors a
 re-trained expert subset changed; only those are read, and the new version shares every other
-tensor with the old one, which keeps answering as before."""
+tensor with the old one, which keeps answering as before; in the engine each request runs on
+one version from its admission to its end."""
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -11,8 +14,11 @@ from retrained import retrain_experts
 from moepipe.checkpoints.manifest import diff_checkpoints
 from moepipe.conversion.write import convert
 from moepipe.runtime.checkpoint import load_checkpoint
+from moepipe.runtime.generate import generate
 from moepipe.runtime.model import Batch, ReferenceModel
 from moepipe.runtime.update import IncompatibleUpdate, load_update, storages
+from moepipe.serving.batcher import Batcher
+from moepipe.serving.request import GenerationRequest, RequestError
 
 LAYER0 = {"transformer.layers.0.mlp.fc.weight", "transformer.layers.0.mlp.proj.weight"}
 
@@ -90,3 +96,64 @@ def test_another_mapping_is_not_an_update(builds, examples, tmp_path):
     convert(examples["tiny-mixtral"], other)
     with pytest.raises(IncompatibleUpdate, match="mapping"):
         load_update(ReferenceModel(load_checkpoint(old_dir)), other)
+
+
+class Sink:
+    def __init__(self):
+        self.tokens, self.error = [], None
+        self.done = threading.Event()
+
+    def on_tokens(self, tokens, log_probs, final):
+        self.tokens += tokens
+        if final:
+            self.done.set()
+
+    def on_error(self, message):
+        self.error = message
+        self.done.set()
+
+
+def _submit(engine, prompt, n, version=None):
+    sink = Sink()
+    engine.submit(GenerationRequest(prompt=prompt, max_new_tokens=n, streaming=True,
+                                    weights_version=version, on_tokens=sink.on_tokens,
+                                    on_error=sink.on_error))
+    return sink
+
+
+PROMPTS = [[1, 5, 9, 2, 7], [30, 31, 2, 8], [11, 3, 250, 4, 4, 9]]
+
+
+def test_each_request_runs_on_one_version_from_admission_to_end(builds):
+    old_dir, new_dir = builds
+    current = ReferenceModel(load_checkpoint(old_dir))
+    update = load_update(current, new_dir)
+    n = 40
+    want_old = generate(current, PROMPTS, n)
+    want_new = generate(update.model, PROMPTS, n)
+    assert want_old != want_new  # the re-trained expert changes what is generated
+    engine = Batcher(current, max_batch_size=6, max_seq_len=64, version="old")
+    engine.start()
+    try:
+        before = [_submit(engine, p, n) for p in PROMPTS]  # admitted on the old version
+        while not all(s.tokens for s in before):
+            time.sleep(0.005)
+        engine.versions.stage("new", update.model)
+        checking = [_submit(engine, p, n, version="new") for p in PROMPTS]  # validation
+        switch = engine.versions.switch("new")
+        engine.wake()
+        assert switch.done.wait(10)
+        # the old version is held by the requests admitted before the switch
+        assert engine.versions.describe() == {"version": "new", "staged": [], "held": ["old"]}
+        after = [_submit(engine, p, n) for p in PROMPTS]
+        for s in before + checking + after:
+            assert s.done.wait(30) and s.error is None
+        assert [s.tokens for s in before] == want_old
+        assert [s.tokens for s in checking] == want_new
+        assert [s.tokens for s in after] == want_new
+        assert engine.versions.wait_released("old", 10)
+        assert engine.versions.describe()["held"] == []
+        with pytest.raises(RequestError, match="'old' is not loaded"):
+            _submit(engine, PROMPTS[0], 2, version="old")
+    finally:
+        engine.stop()
