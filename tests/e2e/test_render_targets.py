@@ -22,10 +22,10 @@ import yaml
 from moepipe.config import parse_config
 from moepipe.conversion.write import convert
 from moepipe.deploy.render.repository import render_deployment
-from moepipe.deploy.render.targets import TARGETS as REGISTERED_TARGETS
 from moepipe.deploy.render.targets import Artifacts
 from moepipe.deploy.render.templates import check_repository
 from moepipe.errors import ConfigError, MappingError
+from moepipe.targets import TARGETS as REGISTERED_TARGETS
 from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
 
 TARGETS = sorted(REGISTERED_TARGETS)

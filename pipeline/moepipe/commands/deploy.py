@@ -9,6 +9,7 @@ from moepipe.config import MoepipeConfig, load_config
 from moepipe.deploy.local import lifecycle
 from moepipe.deploy.render.repository import Artifacts, render_deployment
 from moepipe.errors import MoepipeError
+from moepipe.targets import get_target
 
 
 def state_dir(cfg: MoepipeConfig) -> Path:
@@ -20,10 +21,12 @@ def state_dir(cfg: MoepipeConfig) -> Path:
 def artifacts(cfg: MoepipeConfig) -> Artifacts:
     """What the last `moepipe build` of this workdir produced."""
     from moepipe.commands.build import model_dir, outputs
+    from moepipe.stages.registry import STAGES
     from moepipe.utils.fs import read_json
 
-    # GPU targets render without an engine (it is built on the GPU machine).
-    built = outputs(cfg, optional=() if cfg.target == "cpu" else ("engine",))
+    # GPU targets render before their GPU stages ran (the engine is built on the GPU machine).
+    gpu_stages = tuple(s.name for s in STAGES if s.gpu)
+    built = outputs(cfg, optional=gpu_stages if get_target(cfg.target).gpu else ())
     model = model_dir(cfg)
     ckpt = built.get("convert")
     serving = built.get("quantize") or model
@@ -99,7 +102,7 @@ def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
         fallback = (fb_cfg, artifacts(fb_cfg))
     repo = render_deployment(cfg, art, fallback=fallback)
     echo(f"deploy: rendered {cfg.target} repository at {repo}")
-    if cfg.target != "cpu":
+    if get_target(cfg.target).gpu:  # nothing here can run it
         echo(_gpu_instructions(cfg, art, repo))
         return {"repository": str(repo), "started": False}
     d = cfg.deploy

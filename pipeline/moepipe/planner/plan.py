@@ -20,6 +20,7 @@ from moepipe.planner.estimate import Estimate, Workload, estimate
 from moepipe.planner.hardware import Cluster
 from moepipe.planner.shapes import ModelShape, model_shape
 from moepipe.planner.weights import FORMATS, Sharding, model_bytes
+from moepipe.targets import Target, get_target
 
 # Published config.json files shipped with moepipe (plan without downloading anything):
 # mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, deepseek-ai/DeepSeek-V3
@@ -34,7 +35,6 @@ PUBLISHED = {
 HF_IDS = {"Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1", "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
           "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B", "DeepSeek-V3": "deepseek-ai/DeepSeek-V3"}
 GOALS = ("throughput", "latency")
-TARGETS = ("cpu", "trtllm-engine", "trtllm-pytorch")
 
 
 @dataclass
@@ -81,11 +81,13 @@ def load_model(source: str | Path) -> ModelShape:
 
 
 def candidates(model: ModelShape, max_world: int, target: str) -> list[Sharding]:
-    """Legal shardings with at most ``max_world`` GPUs (powers of two, as ``inspect``)."""
+    """Legal shardings with at most ``max_world`` GPUs (powers of two, as ``inspect``), each
+    also with attention data parallelism where the target has it."""
+    attention_dp = get_target(target).attention_dp
     out = []
     for m in legal_mappings(model, max_world):
         out.append(Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep))
-        if target == "trtllm-pytorch" and m.tp > 1:
+        if attention_dp and m.tp > 1:
             out.append(Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep, attention_dp=True))
     return out
 
@@ -106,8 +108,7 @@ def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
     """Estimate and rank every legal mapping of ``model`` on ``cluster``."""
     if workload.goal not in GOALS:
         raise ConfigError(f"goal '{workload.goal}' is unknown", f"choose {' or '.join(GOALS)}")
-    if target not in TARGETS:
-        raise ConfigError(f"target '{target}' is unknown", f"choose one of {', '.join(TARGETS)}")
+    served = get_target(target)  # an unknown target lists the supported ones
     if workload.fmt not in FORMATS:
         raise ConfigError(f"quantization format '{workload.fmt}' is unknown",
                           f"choose one of {', '.join(FORMATS)}")
@@ -120,8 +121,8 @@ def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
     if not 0 < workload.kv_fraction < 1:
         raise ConfigError(f"the KV-cache memory fraction must be in (0, 1), got "
                           f"{workload.kv_fraction}", "TensorRT-LLM's default is 0.9")
-    # trtllm-pytorch loads the Hugging Face checkpoint; the others TensorRT-LLM's
-    workload = replace(workload, hf_layout=target == "trtllm-pytorch")
+    # the weights as the target's artifact holds them (the HF checkpoint, or TensorRT-LLM's)
+    workload = replace(workload, hf_layout=served.hf_layout)
     ests = [estimate(model, cluster, s, workload)
             for s in candidates(model, cluster.gpus, target)]
     if workload.goal == "latency":
@@ -129,8 +130,7 @@ def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
     else:
         key = lambda e: (not e.fits, -e.tokens_per_s_per_gpu, e.tpot_s)  # noqa: E731
     notes = support_notes(model, target)
-    refusal = NO_ENGINE.get(model.architecture) if target == "trtllm-engine" else None
-    refusal = refusal or _not_served(model.architecture, target)
+    refusal = _not_served(model.architecture, served)
     if refusal:
         for e in ests:
             e.problems.append(refusal)
@@ -139,22 +139,12 @@ def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
     return Plan(model, cluster, workload, target, fitting + others, host_memory(model), notes)
 
 
-# Architectures TensorRT-LLM 1.2 has no engine (trtllm-build) path for.
-NO_ENGINE = {
-    "DeepseekV3ForCausalLM": "TensorRT-LLM 1.2 builds no DeepSeek-V3 engines (only its preview "
-                             "`deepseek` branch does); serve it on trtllm-pytorch",
-}
-
-
-def _not_served(architecture: str, target: str) -> str | None:
-    """Why ``target`` cannot serve a registered family (``Family.no_engine`` / ``no_pytorch``)."""
+def _not_served(architecture: str, target: Target) -> str | None:
+    """Why ``target`` cannot serve a registered family (:meth:`Target.family_problem`)."""
     from moepipe.arch import REGISTRY
 
     family = REGISTRY.get(architecture)
-    if family is None:
-        return None
-    return {"trtllm-engine": family.no_engine,
-            "trtllm-pytorch": family.no_pytorch}.get(target)
+    return None if family is None else target.family_problem(family)
 
 
 def support_notes(model: ModelShape, target: str) -> list[str]:

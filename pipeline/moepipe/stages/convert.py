@@ -30,14 +30,15 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
 def _preflight(ctx: BuildContext) -> None:
     """Families the target cannot take are refused before anything runs."""
     from moepipe.arch import get_family
-    from moepipe.arch.targets import check_quantizable, check_target
+    from moepipe.arch.family import check_quantizable
     from moepipe.stages.source import source_spec
+    from moepipe.targets import check_family
 
     spec = source_spec(ctx)
     if spec is None:
         return
     family = get_family(spec.architecture)
-    check_target(family, ctx.cfg.target, spec)
+    check_family(family, ctx.cfg.target, spec)
     check_quantizable(family, ctx.cfg.quantize.format)
 
 
@@ -69,7 +70,7 @@ def _disk(ctx: BuildContext) -> int:
     return int(total * ratio * 1.05) + (1 << 20)  # padded vocab, duplicated KV heads
 
 
-STAGE = Stage("convert", 1, applies=lambda cfg: cfg.target in ("cpu", "trtllm-engine"),
+STAGE = Stage("convert", 1, applies=lambda cfg: True,
               settings=_settings, inputs=("source", "quantize"), tools=(), run=_run,
               estimate=lambda ctx: {"host memory (peak)": gib(_memory(ctx))}, memory=_memory,
               preflight=_preflight,

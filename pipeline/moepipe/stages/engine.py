@@ -221,6 +221,6 @@ def _estimate(ctx: BuildContext) -> dict[str, Any]:
     return info
 
 
-STAGE = Stage("engine", 1, applies=lambda cfg: cfg.target == "trtllm-engine",
+STAGE = Stage("engine", 1, applies=lambda cfg: True,
               settings=_settings, inputs=("convert",), tools=("tensorrt-llm",), run=_run,
-              estimate=_estimate, preflight=_preflight, link="engine")
+              estimate=_estimate, preflight=_preflight, link="engine", gpu=True)

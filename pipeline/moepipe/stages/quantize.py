@@ -272,7 +272,7 @@ def _preflight(ctx: BuildContext) -> None:
     spec = source_spec(ctx)
     if spec is not None:
         from moepipe.arch import get_family
-        from moepipe.arch.targets import check_quantizable
+        from moepipe.arch.family import check_quantizable
 
         check_quantizable(get_family(spec.architecture), ctx.cfg.quantize.format)
         check_dimensions(ctx.cfg.quantize.format, spec)

@@ -29,6 +29,7 @@ import yaml
 
 from moepipe.deploy.tritonserver import SERVER_STACK_BYTES
 from moepipe.errors import ConfigError
+from moepipe.targets import get_target, targets_where
 
 # Labels every object carries; the selector uses the first two.
 APP_LABEL = "app.kubernetes.io/name"
@@ -58,15 +59,19 @@ class Shape:
 
 
 def shape(target: str, world_size: int, gpus_per_node: int) -> Shape:
-    """Nodes and GPUs per pod; multi-node only for trtllm-engine with whole nodes."""
-    if target == "cpu":
+    """Nodes and GPUs per pod: a CPU target is one pod without GPUs; a GPU target spreads
+    over whole nodes only when its ranks may span nodes (``Target.multi_node``)."""
+    t = get_target(target)
+    if not t.gpu:
         return Shape(world_size, 1, 0)
     if world_size <= gpus_per_node:
         return Shape(world_size, 1, world_size)
-    if target != "trtllm-engine":
+    if not t.multi_node:
+        able = targets_where(lambda o: o.multi_node)
         raise ConfigError(f"world size {world_size} needs more than one node of "
-                          f"{gpus_per_node} GPUs, which only the trtllm-engine target spans",
-                          "use target: trtllm-engine, or raise deploy.k8s.gpus_per_node")
+                          f"{gpus_per_node} GPUs, which only the {' or '.join(able)} target "
+                          "spans",
+                          f"use target: {' or '.join(able)}, or raise deploy.k8s.gpus_per_node")
     if world_size % gpus_per_node:
         raise ConfigError(f"world size {world_size} is not a multiple of "
                           f"deploy.k8s.gpus_per_node ({gpus_per_node})",

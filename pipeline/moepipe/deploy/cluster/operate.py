@@ -13,7 +13,8 @@ memory per pod                  ``deploy.k8s.memory_gib``, else the planner's
                                 (``moepipe.planner.pods``, set by ``moepipe deploy``), else
                                 :func:`memory_estimate_mib` from the built files
 /dev/shm size                   64 MiB per Python-model instance, at least 1 GiB
-startup probe budget            ``deploy.ready_timeout_s`` (GPU targets: at least 15 min)
+startup probe budget            ``deploy.ready_timeout_s``, at least ``Target.min_startup_s``
+                                (GPU targets: 15 min)
 ports, exit timeout             ``deploy.<http,grpc,metrics>_port``, ``deploy.exit_timeout_s``
 autoscaler, budget              ``deploy.k8s.{min,max}_replicas``, ``autoscale_metric``,
                                 ``autoscale_target``
@@ -30,6 +31,7 @@ from pathlib import Path
 from moepipe import __version__
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster import grafana, k8s, monitoring
+from moepipe.targets import get_target
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
 MIB = 1 << 20
@@ -37,7 +39,10 @@ RULES_FILE = "moepipe-rules.yml"
 
 
 def default_image(target: str) -> str:
-    return TRITON_TRTLLM_CONTAINER if target != "cpu" else f"moepipe-trtllm:{__version__}"
+    """The image a target's pods run (``Target.image``): NVIDIA's Triton + TensorRT-LLM image,
+    or moepipe's built on it."""
+    return {"triton": TRITON_TRTLLM_CONTAINER,
+            "moepipe": f"moepipe-trtllm:{__version__}"}[get_target(target).image]
 
 
 def _bytes_under(path: Path | None, pattern: str) -> int:
@@ -74,8 +79,8 @@ def memory_estimate_mib(cfg: MoepipeConfig, art, nodes: int) -> int:
 
 def python_instances(cfg: MoepipeConfig) -> int:
     """Python-model instances of the repository: pre/postprocessing and BLS, and the
-    tensorrt_llm model itself except on trtllm-engine (C++ backend)."""
-    return 3 * cfg.deploy.instance_count + (cfg.target != "trtllm-engine")
+    tensorrt_llm model itself where it is a Python model (``Target.python_model``)."""
+    return 3 * cfg.deploy.instance_count + get_target(cfg.target).python_model
 
 
 def plan(cfg: MoepipeConfig, art) -> tuple[k8s.PodPlan, k8s.Shape]:
@@ -85,7 +90,7 @@ def plan(cfg: MoepipeConfig, art) -> tuple[k8s.PodPlan, k8s.Shape]:
     memory = (math.ceil(kc.memory_gib * 1024) if kc.memory_gib
               else getattr(art, "pod_memory_mib", None)
               or memory_estimate_mib(cfg, art, shape.nodes))
-    startup = int(d.ready_timeout_s) if cfg.target == "cpu" else max(int(d.ready_timeout_s), 900)
+    startup = max(int(d.ready_timeout_s), get_target(cfg.target).min_startup_s)
     return k8s.PodPlan(
         name=k8s.check_name(kc.name, "deploy.k8s.name"),
         image=kc.image or default_image(cfg.target), target=cfg.target,
@@ -122,7 +127,7 @@ def render_operations(cfg: MoepipeConfig, art, out: Path) -> list[Path]:
             kc.autoscale_metric)),
         "grafana-dashboard.json": json.dumps(grafana.dashboard(
             cfg.target, f"moepipe {pod.name} ({cfg.target})", f"moepipe-{pod.name}",
-            fallback=cfg.deploy.fallback is not None),
+            fallback=cfg.deploy.fallback is not None, decoupled=cfg.deploy.decoupled),
             indent=2) + "\n",
     }
     for name, text in files.items():
