@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 
 from moepipe.config import MoepipeConfig, load_config
 from moepipe.deploy.local import lifecycle
 from moepipe.deploy.render.repository import Artifacts, render_deployment
+from moepipe.deploy.tritonserver import ServerCommand
 from moepipe.errors import MoepipeError
 from moepipe.targets import get_target
 
@@ -67,16 +69,17 @@ def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:
     lines = [f"deploy: the {cfg.target} target runs on NVIDIA GPUs inside "
              f"{TRITON_TRTLLM_CONTAINER} (TensorRT-LLM is not installed here), so no server "
              "was started."]
-    if cfg.target == "trtllm-engine":
-        if art.engine_dir is None:
-            lines.append(f"  the engine is not built yet: run `moepipe build` on the GPU "
-                         f"machine (it writes {cfg.workdir / 'engine'})")
+    target = get_target(cfg.target)
+    if target.artifact == "engine" and art.engine_dir is None:
+        lines.append(f"  the engine is not built yet: run `moepipe build` on the GPU "
+                     f"machine (it writes {cfg.workdir / 'engine'})")
+    if target.mpi_ranks:  # the rendered launcher starts the ranks with the server's flags
         lines.append(f"  then, in the container: bash {out / 'launch.sh'}  (one MPI rank per "
                      "GPU; it checks the engine's world size, the GPUs and the TensorRT-LLM "
                      "version before starting)")
     else:
-        lines.append(f"  in the container: tritonserver --model-repository {repo} "
-                     f"--http-address {cfg.deploy.host} --http-port {cfg.deploy.http_port}")
+        server = ServerCommand.of(cfg, repo)
+        lines.append(f"  in the container: {shlex.join(['tritonserver', *server.args()])}")
     lines.append("  then: moepipe validate --url HOST:PORT --grpc-url HOST:PORT")
     return "\n".join(lines)
 

@@ -2,10 +2,10 @@
 
 A target is data, as a family is: the build stages its deployment is made from, the artifact
 its ``tensorrt_llm`` model loads, whether it runs on GPUs and across nodes, the quantization
-and KV-cache formats it serves, its container image, the metrics its server exports and the
-``--metrics-config`` settings that make the server export them. Code that differs between
-targets looks the answer up here (:func:`moepipe.targets.get_target`) instead of comparing
-target names; the templates a target renders live in ``moepipe.deploy.render.targets``.
+and KV-cache formats it serves, its container image and the metrics its deployment exports.
+Code that differs between targets looks the answer up here (:func:`moepipe.targets.get_target`)
+instead of comparing target names; the templates a target renders live in
+``moepipe.deploy.render.targets``.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ class Target:
     # Its tensorrt_llm model is a Triton Python model (one more Python-backend instance, with
     # its shared memory); False: the C++ tensorrtllm backend.
     python_model: bool
-    # ``--metrics-config`` settings of every tritonserver that serves it.
-    metrics_config: tuple[str, ...]
-    # Metric groups its deployment exports (moepipe.deploy.metric_names.GROUPS).
+    # Metric groups its deployment exports (moepipe.deploy.metric_names.GROUPS), given the
+    # flags of every tritonserver moepipe starts (moepipe.deploy.tritonserver; GPU metrics
+    # where the target runs on GPUs).
     metrics: tuple[str, ...]
     attention_dp: bool = False  # parallel.attention_dp (LLM API enable_attention_dp)
     expert_placement: bool = False  # deploy.trtllm.expert_placement (MoE load balancer)

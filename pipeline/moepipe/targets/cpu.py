@@ -9,14 +9,11 @@ TARGET = Target(
     stages=("source", "inspect", "quantize", "convert", "quality"),
     artifact="checkpoint",
     gpu=False,
-    multi_node=False,  # every rank is a thread group of one process
+    multi_node=False,  # every rank runs on the one machine (pod) of the deployment
     mpi_ranks=False,
     quant_formats=("none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"),
     kv_cache_formats=("none", "fp8", "int8"),
     image="moepipe",
     python_model=True,
-    # The local server (nvidia-pytriton's 2.51) ignores histogram_latencies; the pods' image
-    # exports the histogram too, which no dashboard of this target needs.
-    metrics_config=("summary_latencies=true", "histogram_latencies=true"),
     metrics=("triton", "triton-summaries", "moepipe-cpu"),
 )

@@ -15,7 +15,6 @@ TARGET = Target(
     kv_cache_formats=("none", "fp8", "int8"),
     image="triton",
     python_model=False,
-    metrics_config=("summary_latencies=true", "histogram_latencies=true"),
     metrics=("triton", "triton-summaries", "triton-first-response", "triton-gpu",
              "trtllm-backend"),
     min_startup_s=900,

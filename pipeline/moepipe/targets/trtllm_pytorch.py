@@ -16,7 +16,6 @@ TARGET = Target(
     kv_cache_formats=("none", "fp8"),
     image="triton",
     python_model=True,
-    metrics_config=("summary_latencies=true", "histogram_latencies=true"),
     # TensorRT-LLM's LLM-API Python model registers no nv_trt_llm_* metrics.
     metrics=("triton", "triton-summaries", "triton-first-response", "triton-gpu"),
     attention_dp=True,

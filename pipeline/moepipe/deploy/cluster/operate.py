@@ -16,6 +16,7 @@ memory per pod                  ``deploy.k8s.memory_gib``, else the planner's
 startup probe budget            ``deploy.ready_timeout_s``, at least ``Target.min_startup_s``
                                 (GPU targets: 15 min)
 ports, exit timeout             ``deploy.<http,grpc,metrics>_port``, ``deploy.exit_timeout_s``
+server flags                    :class:`moepipe.deploy.tritonserver.ServerCommand`, on 0.0.0.0
 autoscaler, budget              ``deploy.k8s.{min,max}_replicas``, ``autoscale_metric``,
                                 ``autoscale_target``
 rules, scrape config            ``deploy.monitoring``
@@ -31,6 +32,8 @@ from pathlib import Path
 from moepipe import __version__
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster import grafana, k8s, monitoring
+from moepipe.deploy.metric_names import exported
+from moepipe.deploy.tritonserver import ServerCommand
 from moepipe.targets import get_target
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
@@ -94,7 +97,10 @@ def plan(cfg: MoepipeConfig, art) -> tuple[k8s.PodPlan, k8s.Shape]:
     return k8s.PodPlan(
         name=k8s.check_name(kc.name, "deploy.k8s.name"),
         image=kc.image or default_image(cfg.target), target=cfg.target,
-        workdir=cfg.workdir, repo=cfg.deploy_dir / "model_repo",
+        workdir=cfg.workdir,
+        # the kubelet probes the pod IP and the Service forwards to it: the pod network is
+        # the boundary
+        server=ServerCommand.of(cfg, cfg.deploy_dir / "model_repo", host="0.0.0.0"),
         ports={"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port},
         gpus=shape.gpus_per_pod, cpu=f"{kc.cpus:g}", memory_mib=memory,
         shm_mib=k8s.shm_mib(python_instances(cfg)), volume_claim=kc.volume_claim,
@@ -116,7 +122,8 @@ def render_operations(cfg: MoepipeConfig, art, out: Path) -> list[Path]:
     rules = monitoring.rules(window_s=mc.rate_window_s, for_s=mc.alert_for_s,
                              slo_p99_ms=mc.slo_p99_ms, max_error_ratio=mc.max_error_ratio,
                              max_queue_ms=mc.max_queue_ms,
-                             max_expert_imbalance=mc.max_expert_imbalance)
+                             max_expert_imbalance=mc.max_expert_imbalance,
+                             exported=exported(cfg.target, cfg.deploy.decoupled))
     files = {
         RULES_FILE: monitoring.dump(rules),
         "prometheus.yml": monitoring.dump(monitoring.scrape_config(
