@@ -213,7 +213,7 @@ def test_gpt_oss_20b_shapes_and_config_on_meta_device():
 def test_planner_counts_every_parameter(config, arch, total):
     """`moepipe plan` reads both families: its arithmetic equals transformers' meta model
     (q/k norms over the projection, sinks, router and expert biases included)."""
-    from moepipe.planner.shapes import model_shape
+    from moepipe.sizing.shapes import model_shape
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -6,6 +6,7 @@ The dashboards and alert rules are held against each target's list in turn.
 """
 
 import shlex
+import socket
 import subprocess
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def pod_args(tmp_path: Path, target: str) -> list[str]:
     cfg = make_cfg(tmp_path, target)
     out = tmp_path / "deploy"
     out.mkdir(parents=True)
-    render_operations(cfg, Artifacts(model_dir=tmp_path), out)
+    render_operations(cfg, out)
     (deployment,) = yaml.safe_load_all((out / "k8s" / "deployment.yaml").read_text())
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     shell, flag, script, name, *args = container["command"]
@@ -45,7 +46,7 @@ def leader_ranks(tmp_path: Path) -> list[list[str]]:
     cfg = make_cfg(tmp_path, "trtllm-engine", tp=8, pp=2)
     out = tmp_path / "deploy"
     out.mkdir(parents=True)
-    render_operations(cfg, Artifacts(model_dir=tmp_path), out)
+    render_operations(cfg, out)
     (cm,) = yaml.safe_load_all((out / "k8s" / "launch-configmap.yaml").read_text())
     lines = cm["data"]["leader.sh"].splitlines()
     start = lines.index("set --")
@@ -78,13 +79,15 @@ def local_args(tmp_path: Path, monkeypatch) -> list[str]:
         raise Spawned
 
     monkeypatch.setattr(spawned, "Popen", popen)
-    sock = __import__("socket").socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    socks = [socket.socket() for _ in range(3)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    http, grpc, metrics = (s.getsockname()[1] for s in socks)
+    for s in socks:
+        s.close()
     with pytest.raises(Spawned):
         lifecycle.start(tmp_path / "model_repo", tmp_path / "state", host="127.0.0.1",
-                        http_port=port, grpc_port=port + 1, metrics_port=port + 2,
+                        http_port=http, grpc_port=grpc, metrics_port=metrics,
                         binary=Path("/bin/true"))
     (cmd,) = seen
     return cmd[1:]
@@ -161,7 +164,7 @@ def test_rules_and_dashboard_read_only_what_the_target_exports(tmp_path, target)
     cfg = make_cfg(tmp_path, target)
     out = tmp_path / "deploy"
     out.mkdir(parents=True)
-    render_operations(cfg, Artifacts(model_dir=tmp_path), out)
+    render_operations(cfg, out)
     names = exported(target)
     rules = yaml.safe_load((out / "monitoring" / RULES_FILE).read_text())["groups"][0]["rules"]
     available = set(names)

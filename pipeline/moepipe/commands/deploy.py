@@ -33,33 +33,8 @@ def artifacts(cfg: MoepipeConfig) -> Artifacts:
     ckpt = built.get("convert")
     serving = built.get("quantize") or model
     vocab = read_json((ckpt or serving) / "config.json", "the checkpoint")["vocab_size"]
-    art = Artifacts(model_dir=model, checkpoint_dir=ckpt, engine_dir=built.get("engine"),
-                    hf_serving_dir=serving, vocab_size=int(vocab))
-    art.pod_memory_mib = pod_memory(cfg, model)
-    return art
-
-
-def pod_memory(cfg: MoepipeConfig, model: Path) -> int | None:
-    """The planner's host memory of one serving pod, in MiB (the Kubernetes memory request
-    and limit); None where the planner cannot read the model (the deploy then estimates from
-    the built files)."""
-    from moepipe.deploy.cluster.k8s import shape
-    from moepipe.planner.plan import load_model
-    from moepipe.planner.pods import pod_memory_mib
-    from moepipe.planner.weights import Sharding
-
-    try:
-        shape_ = load_model(model)
-    except MoepipeError:
-        return None
-    p, b = cfg.parallel, cfg.build
-    m = p.to_mapping()
-    sharding = Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep, p.attention_dp)
-    gpus = shape(cfg.target, m.world_size, cfg.deploy.k8s.gpus_per_node).gpus_per_pod
-    return pod_memory_mib(shape_, sharding, cfg.target, fmt=cfg.quantize.format,
-                          dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
-                          gpus_per_pod=gpus, max_batch_size=b.max_batch_size,
-                          max_seq_len=b.max_seq_len)
+    return Artifacts(model_dir=model, checkpoint_dir=ckpt, engine_dir=built.get("engine"),
+                     hf_serving_dir=serving, vocab_size=int(vocab))
 
 
 def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:

@@ -18,8 +18,8 @@ from moepipe.errors import ConfigError
 from moepipe.mapping import legal_mappings
 from moepipe.planner.estimate import Estimate, Workload, estimate
 from moepipe.planner.hardware import Cluster
-from moepipe.planner.shapes import ModelShape, model_shape
-from moepipe.planner.weights import FORMATS, Sharding, model_bytes
+from moepipe.sizing.shapes import ModelShape, load_shape, model_shape
+from moepipe.sizing.weights import FORMATS, Sharding, model_bytes
 from moepipe.targets import Target, get_target
 
 # Published config.json files shipped with moepipe (plan without downloading anything):
@@ -60,24 +60,12 @@ def load_model(source: str | Path) -> ModelShape:
     if str(source) in PUBLISHED:
         cfg = json.loads(PUBLISHED[str(source)].read_text())
         return model_shape(cfg, str(source), str(PUBLISHED[str(source)]))
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file():
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{path}: not readable JSON ({e})") from None
-        return model_shape(cfg, path.parent.name if path.name == "config.json" else path.stem,
-                           str(path))
-    if str(source) in EXAMPLES:
-        ex = EXAMPLES[str(source)]
-        arch = ex.config_class.removesuffix("Config") + "ForCausalLM"
-        return model_shape({"architectures": [arch], "torch_dtype": "float32", **ex.config},
-                           str(source), f"example {source}")
-    raise ConfigError(f"model '{source}' is neither a folder, a config.json, a published model "
-                      "nor an example",
-                      f"published: {', '.join(PUBLISHED)}; examples: {', '.join(EXAMPLES)}")
+    shape = load_shape(source)
+    if shape is None:
+        raise ConfigError(f"model '{source}' is neither a folder, a config.json, a published "
+                          "model nor an example",
+                          f"published: {', '.join(PUBLISHED)}; examples: {', '.join(EXAMPLES)}")
+    return shape
 
 
 def candidates(model: ModelShape, max_world: int, target: str) -> list[Sharding]:
@@ -129,33 +117,20 @@ def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
         key = lambda e: (not e.fits, e.tpot_s, -e.max_sequences)  # noqa: E731
     else:
         key = lambda e: (not e.fits, -e.tokens_per_s_per_gpu, e.tpot_s)  # noqa: E731
-    notes = support_notes(model, target)
-    refusal = _not_served(model.architecture, served)
+    refusal = _not_served(model, served)
     if refusal:
         for e in ests:
             e.problems.append(refusal)
     fitting = sorted((e for e in ests if e.fits), key=key)
     others = sorted((e for e in ests if not e.fits), key=lambda e: e.weights)
-    return Plan(model, cluster, workload, target, fitting + others, host_memory(model), notes)
+    return Plan(model, cluster, workload, target, fitting + others, host_memory(model))
 
 
-def _not_served(architecture: str, target: Target) -> str | None:
-    """Why ``target`` cannot serve a registered family (:meth:`Target.family_problem`)."""
-    from moepipe.arch import REGISTRY
+def _not_served(model: ModelShape, target: Target) -> str | None:
+    """Why ``target`` cannot serve this model (:meth:`Target.family_problem`)."""
+    from moepipe.arch import get_family
 
-    family = REGISTRY.get(architecture)
-    return None if family is None else target.family_problem(family)
-
-
-def support_notes(model: ModelShape, target: str) -> list[str]:
-    """What the plan cannot promise: moepipe building the model at all."""
-    from moepipe.arch import REGISTRY, supported
-
-    if model.architecture in REGISTRY:
-        return []
-    return [f"moepipe does not build {model.architecture} yet (it builds "
-            f"{', '.join(supported())}); the plan sizes what TensorRT-LLM's own loader would "
-            "need"]
+    return target.family_problem(get_family(model.architecture), model.spec)
 
 
 def model_summary(model: ModelShape, fmt: str) -> dict[str, Any]:

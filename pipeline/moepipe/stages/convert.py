@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from moepipe.arch.hf import open_hf_checkpoint
+from moepipe.checkpoints.dtypes import itemsize
 from moepipe.config import MoepipeConfig
 from moepipe.conversion.write import convert_into, convert_memory
 from moepipe.stages.base import BuildContext, Stage, gib
@@ -47,9 +48,6 @@ def _memory(ctx: BuildContext) -> int:
     return convert_memory(source, ctx.cfg.parallel.to_mapping())
 
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def _disk(ctx: BuildContext) -> int:
     """Bytes the output takes: the source's weights, scaled when the dtype changes."""
     source = ctx.model_dir
@@ -59,14 +57,14 @@ def _disk(ctx: BuildContext) -> int:
         ckpt = open_hf_checkpoint(source)  # once: its spec and format say it all
         want = ctx.cfg.model.dtype
         if want != "auto" and ctx.cfg.quantize.format == "none":
-            ratio = _ITEMSIZE[want] / _ITEMSIZE.get(ckpt.spec.torch_dtype, 2)
+            ratio = itemsize(want) / itemsize(ckpt.spec.torch_dtype)
         out = ckpt.spec.torch_dtype if want == "auto" else want
         if ckpt.fp8_block:
             # 1-byte weights come out in the model dtype (an upper bound: bf16 parts count twice)
-            ratio = _ITEMSIZE[out]
+            ratio = itemsize(out)
         if ckpt.mxfp4:
             # 4.25-bit MXFP4 experts come out in the model dtype (an upper bound, as above)
-            ratio = 4 * _ITEMSIZE[out]
+            ratio = 4 * itemsize(out)
     return int(total * ratio * 1.05) + (1 << 20)  # padded vocab, duplicated KV heads
 
 

@@ -289,10 +289,10 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
 
 
 def _memory(ctx: BuildContext) -> int:
-    from moepipe.trtllm.engine import model_params
+    from moepipe.sizing.shapes import shape_of
 
     spec = source_spec(ctx)
-    return 0 if spec is None else quantize_memory(model_params(spec))
+    return 0 if spec is None else quantize_memory(shape_of(spec).parameters())
 
 
 def _estimate(ctx: BuildContext) -> dict[str, Any]:

@@ -83,7 +83,7 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
                    "tensorrt_llm_bls"} - configs.keys()
         if missing:
             raise MoepipeError(f"rendered repository lacks {', '.join(sorted(missing))}")
-        render_operations(cfg, art, tmp)
+        render_operations(cfg, tmp)
         loadtest.write(tmp / "locust", cfg)  # a load test in the users' own tool
         (tmp / MANIFEST).write_text(json.dumps(
             {"target": target, "moepipe": __version__, "values": values,
