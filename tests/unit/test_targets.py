@@ -2,6 +2,9 @@
 config, the stages, the renderer and the planner look it up, and nothing in the package
 branches on a target's name."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from moepipe.config import field_info, parse_config
@@ -11,6 +14,8 @@ from moepipe.deploy.render.templates import templates_root
 from moepipe.errors import ConfigError, MoepipeError
 from moepipe.stages.registry import STAGES
 from moepipe.targets import TARGETS, get_target
+
+PACKAGE = Path(__file__).parents[2] / "pipeline" / "moepipe"
 
 
 def test_the_config_offers_exactly_the_declared_targets():
@@ -84,3 +89,14 @@ def test_rendering_an_undeclared_target_says_what_renders():
     with pytest.raises(MoepipeError) as err:
         values_of("vllm")
     assert err.value.hint == "renderable: cpu, trtllm-engine, trtllm-pytorch"
+# `target == "cpu"`, `cfg.target != "trtllm-engine"`, `target in ("cpu", ...)`: a decision
+# that belongs in the target's declaration.
+_BRANCH = re.compile(r"""target\s*(==|!=)\s*["']|target\s+(not\s+)?in\s*[(\[{]\s*["']""")
+
+
+def test_no_module_branches_on_a_target_name():
+    found = [f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+             for path in sorted(PACKAGE.rglob("*.py")) if "targets" not in path.parts
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if _BRANCH.search(line)]
+    assert found == []
