@@ -24,6 +24,7 @@ from pydantic import (
 
 from moepipe.errors import ConfigError, MappingError
 from moepipe.mapping import Mapping
+from moepipe.targets import TargetName, get_target, quantization_problem, targets_where
 from moepipe.utils.bounded import ReadError, read_file
 from moepipe.utils.strictyaml import (
     CONFIG_LIMIT,
@@ -39,7 +40,7 @@ DEFAULT_PROMPTS = [
     "It was the best of times, it was the worst of times,",
     "A Lion lay asleep in the forest, his great head resting on his paws.",
 ]
-Target = Literal["cpu", "trtllm-engine", "trtllm-pytorch"]
+Target = TargetName  # the names of moepipe.targets' registry
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 
 # The largest value of each kind of number moepipe.yaml holds: what the machine, Triton and
@@ -587,9 +588,9 @@ class ValidateSection(Section):
 
 class MoepipeConfig(Section):
     model: ModelSection = Field(description="The model: a checkpoint folder or an example.")
-    target: Target = Field("cpu", description="Where the model is served: moepipe's runtime "
-                                              "in a local Triton (cpu), TensorRT engines, or "
-                                              "TensorRT-LLM's PyTorch backend.")
+    target: Target = Field("cpu", description="Where the model is served: moepipe's "
+                                                  "runtime in a local Triton (cpu), TensorRT "
+                                                  "engines, or TensorRT-LLM's PyTorch backend.")
     parallel: ParallelSection = Field(default_factory=ParallelSection,
                                       description="Tensor / pipeline / expert parallel mapping.")
     convert: ConvertSection = Field(default_factory=ConvertSection,
@@ -638,20 +639,19 @@ class MoepipeConfig(Section):
             raise ValueError("quantize.kv_cache needs a weight format too (quantize.format: "
                              "fp8, int8_sq or int4_awq); KV-cache-only quantization is not "
                              "supported yet")
-        if q.kv_cache == "int8" and self.target == "trtllm-pytorch":
-            raise ValueError("quantize.kv_cache int8 is not served by TensorRT-LLM's PyTorch "
-                             "backend; use fp8 (or target trtllm-engine)")
-        if q.format in ("int8_sq", "w4a8_awq") and self.target == "trtllm-pytorch":
-            raise ValueError(f"quantize.format {q.format} is served by the trtllm-engine target "
-                             "only; the PyTorch backend takes fp8, int4_awq or nvfp4")
+        problem = quantization_problem(self.target, q.format, q.kv_cache)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
     def _attention_dp_and_placement(self):
-        p, t = self.parallel, self.deploy.trtllm
-        if p.attention_dp and self.target != "trtllm-pytorch":
-            raise ValueError("parallel.attention_dp is a TensorRT-LLM PyTorch backend feature; "
-                             "set target: trtllm-pytorch or attention_dp: false")
+        p, t, target = self.parallel, self.deploy.trtllm, get_target(self.target)
+        if p.attention_dp and not target.attention_dp:
+            able = targets_where(lambda o: o.attention_dp)
+            raise ValueError(f"parallel.attention_dp is a "
+                             f"{' / '.join(get_target(n).served_by for n in able)} feature; "
+                             f"set target: {' or '.join(able)} or attention_dp: false")
         if p.attention_dp and p.tp < 2:
             raise ValueError("parallel.attention_dp needs tp >= 2 (the attention data-parallel "
                              "ranks are the tp ranks)")
@@ -660,10 +660,11 @@ class MoepipeConfig(Section):
                 ep = p.to_mapping().moe_ep  # tp: 4, moe_tp: 1 is moe_ep 4, unset or not
             except MappingError as e:
                 raise ValueError(str(e)) from None
-            if self.target != "trtllm-pytorch" or not p.attention_dp or ep < 2 \
+            if not target.expert_placement or not p.attention_dp or ep < 2 \
                     or t.moe_backend != "WIDEEP":
+                able = " or ".join(targets_where(lambda o: o.expert_placement))
                 raise ValueError("deploy.trtllm.expert_placement is TensorRT-LLM's MoE load "
-                                 "balancer: it needs target trtllm-pytorch, "
+                                 f"balancer: it needs target {able}, "
                                  "parallel.attention_dp: true, parallel.moe_ep >= 2 and "
                                  "deploy.trtllm.moe_backend: WIDEEP")
         return self

@@ -25,9 +25,8 @@ from moepipe.config import parse_config
 from moepipe.deploy.cluster import grafana, k8s, monitoring
 from moepipe.deploy.cluster.operate import RULES_FILE, render_operations
 from moepipe.deploy.metric_names import EXPORTED, TRTLLM_FAMILIES, metrics_in
-from moepipe.deploy.render.targets import TARGETS as REGISTERED_TARGETS
-from moepipe.deploy.render.targets import Artifacts
 from moepipe.errors import ConfigError
+from moepipe.targets import TARGETS as REGISTERED_TARGETS
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
 SCHEMAS = Path(__file__).parents[1] / "data" / "crd-schemas"
@@ -100,7 +99,7 @@ def render(tmp_path: Path, target: str = "cpu", **deploy) -> tuple[object, Path]
     cfg = make_cfg(tmp_path, target, **deploy)
     out = tmp_path / "deploy"
     out.mkdir()
-    render_operations(cfg, Artifacts(model_dir=tmp_path), out)
+    render_operations(cfg, out)
     return cfg, out
 
 

@@ -1,16 +1,16 @@
-"""The Kubernetes memory request of a serving pod comes from the planner's arithmetic
-(moepipe.planner.pods): exact weight bytes of the pod's ranks, the cpu runtime's KV cache."""
+"""The Kubernetes memory request of a serving pod comes from the sizing model
+(moepipe.sizing.pods): exact weight bytes of the pod's ranks, the cpu runtime's KV cache."""
 
 import math
 
 import pytest
 
-from moepipe.commands.deploy import pod_memory
 from moepipe.config import parse_config
-from moepipe.planner.estimate import kv_bytes_per_token
+from moepipe.deploy.cluster.operate import pod_memory
 from moepipe.planner.plan import load_model
-from moepipe.planner.pods import CPU_HEADROOM, GIB, pod_memory_bytes
-from moepipe.planner.weights import Sharding, stage_weight_bytes
+from moepipe.sizing.gpu import kv_bytes_per_token
+from moepipe.sizing.pods import CPU_HEADROOM, GIB, pod_memory_bytes
+from moepipe.sizing.weights import Sharding, stage_weight_bytes
 
 # mistralai/Mixtral-8x7B-v0.1 model.safetensors.index.json metadata.total_size (bf16)
 MIXTRAL_HF_BYTES = 93_405_585_408
@@ -49,4 +49,4 @@ def test_deploy_uses_the_planner_for_the_configured_mapping(examples, tmp_path):
                         "build": {"max_batch_size": 4, "max_input_len": 128, "max_seq_len": 256}})
     m = load_model(examples["tiny-mixtral"])
     want = pod_memory_bytes(m, Sharding(2, 1, 1, 2), "cpu", max_batch_size=4, max_seq_len=256)
-    assert pod_memory(cfg, examples["tiny-mixtral"]) == math.ceil(want / GIB) * 1024
+    assert pod_memory(cfg) == math.ceil(want / GIB) * 1024

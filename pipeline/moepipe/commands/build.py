@@ -140,7 +140,7 @@ def plan(cfg: MoepipeConfig, force: tuple[str, ...] = (),
     fps: dict[str, str] = {}
     entries = []
     for stage in STAGES:
-        if not stage.applies(cfg):
+        if not stage.needed(cfg):
             continue
         extra = stage.external(cfg) if stage.external is not None else None
         fp = fingerprint(stage, cfg, fps, extra)

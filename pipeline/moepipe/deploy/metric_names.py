@@ -18,6 +18,7 @@ import re
 
 from moepipe.arch.bounds import MAX_EXPERTS, MAX_LAYERS
 from moepipe.errors import ConfigError
+from moepipe.targets import TARGETS, get_target
 
 
 def _summary(name: str) -> set[str]:
@@ -28,22 +29,30 @@ def _histogram(name: str) -> set[str]:
     return {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
 
 
+# Triton core (src/metrics.cc names, src/metric_model_reporter.cc: which a model reports):
+# counters and the pending-request gauge always, the latency counters unless
+# counter_latencies=false, CPU metrics unless --allow-cpu-metrics=false.
 TRITON_CORE = {
     "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
     "nv_inference_exec_count", "nv_inference_pending_request_count",
     "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
     "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
     "nv_inference_compute_output_duration_us",
+    "nv_cpu_utilization", "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes",
+    "up",  # Prometheus' own, per scrape target
+}
+# --metrics-config summary_latencies=true (InitializeSummaries)
+TRITON_SUMMARIES = {
     *_summary("nv_inference_request_summary_us"), *_summary("nv_inference_queue_summary_us"),
     *_summary("nv_inference_compute_input_summary_us"),
     *_summary("nv_inference_compute_infer_summary_us"),
     *_summary("nv_inference_compute_output_summary_us"),
-    "nv_cpu_utilization", "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes",
-    "up",  # Prometheus' own, per scrape target
 }
+# --metrics-config histogram_latencies=true, decoupled models only (InitializeHistograms)
+TRITON_FIRST_RESPONSE = _histogram("nv_inference_first_response_histogram_ms")
+# DCGM, on a GPU machine unless --allow-gpu-metrics=false (TRITON_ENABLE_METRICS_GPU)
 TRITON_GPU = {"nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes",
-              "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption",
-              *_histogram("nv_inference_first_response_histogram_ms")}
+              "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption"}
 # TensorRT-LLM's C++ backend: family -> (category label, its values), from
 # custom_metrics_reporter.cc (InitializeReporter; *_labels_ vectors).
 TRTLLM_FAMILIES = {
@@ -76,12 +85,27 @@ MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
                "moepipe_fallback_requests_total", "moepipe_circuit_state"}
 CPU_TRTLLM_FAMILIES = ("nv_trt_llm_request_metrics", "nv_trt_llm_kv_cache_block_metrics")
 
-EXPORTED = {
-    "cpu": TRITON_CORE | MOEPIPE_CPU | set(CPU_TRTLLM_FAMILIES),
-    "trtllm-engine": TRITON_CORE | TRITON_GPU | TRTLLM_BACKEND,
-    # TensorRT-LLM's LLM-API Python model registers no nv_trt_llm_* metrics.
-    "trtllm-pytorch": TRITON_CORE | TRITON_GPU,
+# The groups a target declares it exports (moepipe.targets: Target.metrics).
+GROUPS: dict[str, set[str]] = {
+    "triton": TRITON_CORE,
+    "triton-summaries": TRITON_SUMMARIES,
+    "triton-first-response": TRITON_FIRST_RESPONSE,
+    "triton-gpu": TRITON_GPU,
+    "trtllm-backend": TRTLLM_BACKEND,
+    "moepipe-cpu": MOEPIPE_CPU | set(CPU_TRTLLM_FAMILIES),
 }
+# Groups only decoupled models report (Triton's first-response histogram).
+DECOUPLED_ONLY = {"triton-first-response"}
+
+
+def exported(target: str, decoupled: bool = True) -> set[str]:
+    """Metric names the deployment of ``target`` exports (``decoupled``: its models' transaction
+    policy, deploy.decoupled)."""
+    return {name for group in get_target(target).metrics
+            if decoupled or group not in DECOUPLED_ONLY for name in GROUPS[group]}
+
+
+EXPORTED = {name: exported(name) for name in TARGETS}
 
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
              "or", "unless", "offset", "inf", "nan"}

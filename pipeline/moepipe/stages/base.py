@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moepipe.config import MoepipeConfig
+from moepipe.targets import get_target
 
 Echo = Callable[[str], None]
 log = logging.getLogger("moepipe")
@@ -88,6 +89,8 @@ class BuildContext:
 class Stage:
     name: str
     version: int
+    # Within a target that lists the stage (moepipe.targets: Target.stages), whether the
+    # config needs it (quantize: only for a quantized model).
     applies: Callable[[MoepipeConfig], bool]
     settings: Callable[[MoepipeConfig], dict[str, Any]]  # config values its output depends on
     inputs: tuple[str, ...]  # stages it reads (their fingerprints are part of its own)
@@ -105,10 +108,17 @@ class Stage:
     link: str | None = None
     # Its output is a Hugging Face checkpoint (the model later stages read).
     hf_checkpoint: bool = False
+    # It runs only on a GPU machine (a GPU target's deployment renders before it ran).
+    gpu: bool = False
     # A folder of the user's used in place instead of an output (None: build one).
     in_place: Callable[[MoepipeConfig], Path | None] | None = None
     # Extra fingerprint inputs read from outside the config (e.g. the BLAKE3 of the user's files).
     external: Callable[[MoepipeConfig], dict[str, Any]] | None = None
+
+    def needed(self, cfg: MoepipeConfig) -> bool:
+        """Whether a build of ``cfg`` runs this stage: its target's deployment is made from
+        it and the config asks for it."""
+        return self.name in get_target(cfg.target).stages and self.applies(cfg)
 
 
 def gib(n: int) -> str:

@@ -292,7 +292,7 @@ def _preflight(ctx: BuildContext) -> None:
     spec = source_spec(ctx)
     if spec is not None:
         from moepipe.arch import get_family
-        from moepipe.arch.targets import check_quantizable
+        from moepipe.arch.family import check_quantizable
 
         check_quantizable(get_family(spec.architecture), ctx.cfg.quantize.format)
         check_dimensions(ctx.cfg.quantize.format, spec)
@@ -309,10 +309,10 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
 
 
 def _memory(ctx: BuildContext) -> int:
-    from moepipe.trtllm.engine import model_params
+    from moepipe.sizing.shapes import shape_of
 
     spec = source_spec(ctx)
-    return 0 if spec is None else quantize_memory(model_params(spec))
+    return 0 if spec is None else quantize_memory(shape_of(spec).parameters())
 
 
 def _estimate(ctx: BuildContext) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moepipe.deploy.metric_names import EXPORTED, metrics_in
+from moepipe.deploy.metric_names import exported, metrics_in
 
 # `$datasource`, not `${datasource}`: nothing that moepipe renders may keep a `${`.
 DS = {"type": "prometheus", "uid": "$datasource"}
@@ -92,10 +92,11 @@ PANELS = (
 )
 
 
-def panels_for(target: str, fallback: bool = False) -> list[Panel]:
-    exported = EXPORTED[target]
+def panels_for(target: str, fallback: bool = False, decoupled: bool = True) -> list[Panel]:
+    """The panels whose every query reads only metrics the deployment exports."""
+    names = exported(target, decoupled)
     return [p for p in PANELS if (fallback or not p.fallback)
-            and all(metrics_in(expr) <= exported for expr, _ in p.queries)]
+            and all(metrics_in(expr) <= names for expr, _ in p.queries)]
 
 
 def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
@@ -124,8 +125,9 @@ def _variable(name: str, query: str, multi: bool = True) -> dict[str, Any]:
             "includeAll": True, "multi": multi, "current": {}, "sort": 3}
 
 
-def dashboard(target: str, title: str, uid: str, fallback: bool = False) -> dict[str, Any]:
-    chosen = panels_for(target, fallback)
+def dashboard(target: str, title: str, uid: str, fallback: bool = False,
+              decoupled: bool = True) -> dict[str, Any]:
+    chosen = panels_for(target, fallback, decoupled)
     panels, x, y = [], 0, 0
     for i, p in enumerate(chosen, start=1):
         if x + p.width > 24:

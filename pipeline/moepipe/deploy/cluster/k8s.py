@@ -20,7 +20,6 @@ must hold the workdir and is mounted, read-only, at the workdir's own path.
 from __future__ import annotations
 
 import math
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,9 @@ import yaml
 
 from moepipe.config import DNS1123_LABEL
 from moepipe.deploy.cluster import pod_security
-from moepipe.deploy.tritonserver import SERVER_STACK_BYTES
+from moepipe.deploy.tritonserver import RAISE_STACK, ServerCommand
 from moepipe.errors import ConfigError
+from moepipe.targets import get_target, targets_where
 
 # Labels every object carries; the selector uses the first two.
 APP_LABEL = "app.kubernetes.io/name"
@@ -58,15 +58,19 @@ class Shape:
 
 
 def shape(target: str, world_size: int, gpus_per_node: int) -> Shape:
-    """Nodes and GPUs per pod; multi-node only for trtllm-engine with whole nodes."""
-    if target == "cpu":
+    """Nodes and GPUs per pod: a CPU target is one pod without GPUs; a GPU target spreads
+    over whole nodes only when its ranks may span nodes (``Target.multi_node``)."""
+    t = get_target(target)
+    if not t.gpu:
         return Shape(world_size, 1, 0)
     if world_size <= gpus_per_node:
         return Shape(world_size, 1, world_size)
-    if target != "trtllm-engine":
+    if not t.multi_node:
+        able = targets_where(lambda o: o.multi_node)
         raise ConfigError(f"world size {world_size} needs more than one node of "
-                          f"{gpus_per_node} GPUs, which only the trtllm-engine target spans",
-                          "use target: trtllm-engine, or raise deploy.k8s.gpus_per_node")
+                          f"{gpus_per_node} GPUs, which only the {' or '.join(able)} target "
+                          "spans",
+                          f"use target: {' or '.join(able)}, or raise deploy.k8s.gpus_per_node")
     if world_size % gpus_per_node:
         raise ConfigError(f"world size {world_size} is not a multiple of "
                           f"deploy.k8s.gpus_per_node ({gpus_per_node})",
@@ -94,7 +98,7 @@ class PodPlan:
     image: str
     target: str
     workdir: Path
-    repo: Path
+    server: ServerCommand  # bound to all of the pod's addresses
     ports: dict[str, int]
     gpus: int
     cpu: str
@@ -110,32 +114,11 @@ def _mi(mib: int) -> str:
     return f"{mib}Mi"
 
 
-def server_args(plan: PodPlan) -> list[str]:
-    """tritonserver's flags in a pod: bound to all of the pod's addresses (the kubelet probes
-    the pod IP and the Service forwards to it; the pod network is the boundary)."""
-    p = plan.ports
-    return [f"--model-repository={plan.repo}", "--disable-auto-complete-config",
-            "--http-address=0.0.0.0", f"--http-port={p['http']}",
-            "--grpc-address=0.0.0.0", f"--grpc-port={p['grpc']}",
-            "--metrics-address=0.0.0.0", f"--metrics-port={p['metrics']}",
-            # Quantiles, and the first-response (TTFT) histogram the dashboard reads (Triton >=
-            # 24.x: the images of docker/versions.env).
-            "--metrics-config=summary_latencies=true",
-            "--metrics-config=histogram_latencies=true",
-            f"--exit-timeout-secs={plan.exit_timeout_s}"]
-
-
-# Triton's HTTP frontend parses a form-encoded body into stack arrays of its size (see
-# SERVER_STACK_BYTES): with a container's usual 8 MiB stacks a ~5 MB body kills the pod's server.
-# Serving pods raise the soft limit before exec'ing it, as the local server and launch.sh do;
-# best effort (a lower hard limit is kept; `ulimit -S -s` is not POSIX, but the images' shells,
-# dash and bash, have it).
-RAISE_STACK = f"ulimit -S -s {SERVER_STACK_BYTES >> 10} 2>/dev/null || true"
-
-
 def serve_command(args: list[str]) -> list[str]:
     """A container command that raises the stack limit, then becomes ``tritonserver args``
-    (``exec``: it is still the process the kubelet signals)."""
+    (``exec``: it is still the process the kubelet signals). Triton's HTTP frontend parses a
+    form-encoded body into stack arrays of its size (moepipe.deploy.tritonserver
+    SERVER_STACK_BYTES): with a container's usual 8 MiB stacks a ~5 MB body would kill it."""
     return ["/bin/sh", "-c", f'{RAISE_STACK}; exec tritonserver "$@"', "tritonserver", *args]
 
 
@@ -222,7 +205,7 @@ def deployment(plan: PodPlan, replicas: int) -> dict[str, Any]:
             "template": {
                 "metadata": {"labels": labels(app, role="leader")},
                 "spec": pod_spec(plan, [container(plan, "triton",
-                                                  serve_command(server_args(plan)),
+                                                  serve_command(plan.server.args()),
                                                   serving=True)]),
             },
         },
@@ -306,18 +289,9 @@ while [ "$i" -lt "$SIZE" ]; do
     hosts="$hosts,$worker:__PER_NODE__"
     i=$((i + 1))
 done
-set --
-rank=0
-while [ "$rank" -lt __WORLD__ ]; do
-    [ "$rank" -eq 0 ] || set -- "$@" :
-    set -- "$@" -n 1 tritonserver __ARGS__ \\
-        --backend-config=python,shm-region-prefix-name=prefix"$rank"_
-    [ "$rank" -eq 0 ] || set -- "$@" --model-control-mode=explicit --load-model=tensorrt_llm \\
-        --allow-http=false --allow-grpc=false --allow-metrics=false
-    rank=$((rank + 1))
-done
-# Rank 0 (this pod) serves HTTP: the larger stack limit, see RAISE_STACK in moepipe's k8s.py
-# (`ulimit -S -s` is not POSIX, but dash, bash and busybox sh have it; elsewhere it is skipped).
+__RANKS__
+# Rank 0 (this pod) serves HTTP: the larger stack limit (moepipe.deploy.tritonserver.RAISE_STACK;
+# `ulimit -S -s` is not POSIX, but dash, bash and busybox sh have it; elsewhere it is skipped).
 # shellcheck disable=SC3045
 __RAISE_STACK__
 echo "leader: __WORLD__ ranks on $hosts" >&2
@@ -327,10 +301,10 @@ exec mpirun --allow-run-as-root -mca plm_rsh_agent /opt/moepipe/kubessh \\
 
 
 def leader_script(plan: PodPlan, shape_: Shape) -> str:
-    args = shlex.join(server_args(plan))
-    return (LEADER.replace("__WORLD__", str(shape_.world_size))
+    return (LEADER.replace("__RANKS__", plan.server.mpi_ranks("tritonserver", "__WORLD__"))
+            .replace("__WORLD__", str(shape_.world_size))
             .replace("__PER_NODE__", str(shape_.gpus_per_pod))
-            .replace("__WAIT_S__", str(plan.startup_s)).replace("__ARGS__", args)
+            .replace("__WAIT_S__", str(plan.startup_s))
             .replace("__RAISE_STACK__", RAISE_STACK))
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from moepipe.deploy.metric_names import metrics_in
+
 JOB = "moepipe"
 # Recorded series (level:metric:operation, Prometheus' naming practice).
 EXPERT_RATE = "moepipe:expert_tokens:rate"
@@ -36,10 +38,12 @@ def _dur(seconds: int) -> str:
 
 
 def rules(*, window_s: int, for_s: int, slo_p99_ms: float, max_error_ratio: float,
-          max_queue_ms: float, max_expert_imbalance: float, interval_s: int | None = None
-          ) -> dict[str, Any]:
+          max_queue_ms: float, max_expert_imbalance: float, interval_s: int | None = None,
+          exported: set[str] | None = None) -> dict[str, Any]:
     """The rule file's content; ``window_s`` is the rate window, ``for_s`` how long a
-    condition must hold before its alert fires."""
+    condition must hold before its alert fires. With ``exported`` (the metrics the deployment
+    exports, :func:`moepipe.deploy.metric_names.exported`) a rule that reads anything else is
+    left out: it could never fire, and nothing would say why."""
     w = f"[{_dur(window_s)}]"
     success = f"sum by (model) (rate(nv_inference_request_success{w}))"
     failure = f"sum by (model) (rate(nv_inference_request_failure{w}))"
@@ -89,9 +93,23 @@ def rules(*, window_s: int, for_s: int, slo_p99_ms: float, max_error_ratio: floa
                                         "those experts' ranks bound the step time "
                                         "(expert parallelism cannot balance the load)."}},
     ]}
+    if exported is not None:
+        group["rules"] = _readable(group["rules"], exported)
     if interval_s is not None:
         group["interval"] = _dur(interval_s)
     return {"groups": [group]}
+
+
+def _readable(group: list[dict[str, Any]], exported: set[str]) -> list[dict[str, Any]]:
+    """The rules whose expressions read only exported metrics or series recorded before them."""
+    available = set(exported)
+    kept = []
+    for rule in group:
+        if metrics_in(rule["expr"]) <= available:
+            kept.append(rule)
+            if "record" in rule:
+                available.add(rule["record"])
+    return kept
 
 
 def scrape_config(*, local_target: str, scrape_interval_s: int, evaluation_interval_s: int,

@@ -46,7 +46,7 @@ from moepipe.deploy.local.state import (
     read_state,
     write_state,
 )
-from moepipe.deploy.tritonserver import local_args
+from moepipe.deploy.tritonserver import ServerCommand
 
 
 def _found_state(proc: processes.Proc, state_dir: Path) -> ServerState:
@@ -129,10 +129,9 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
         check_port(host, port, what)
     triton = find_tritonserver(binary, state_dir)
     log = state_dir / LOG_FILE
-    cmd = [str(triton.path), *local_args(repository, host=host, http_port=http_port,
-                                         grpc_port=grpc_port, metrics_port=metrics_port,
-                                         exit_timeout=exit_timeout,
-                                         backend_dir=triton.backend_dir)]
+    # The local server runs a CPU target's repository (GPU targets run in NVIDIA's container).
+    server = ServerCommand(repository, host, http_port, grpc_port, metrics_port, exit_timeout)
+    cmd = [str(triton.path), *server.args(triton.backend_dir)]
     with open(log, "wb") as log_file:
         # Own session: Ctrl-C in the terminal reaches moepipe, which stops the server (and
         # its backend stubs, which share its process group) by PID.

@@ -17,7 +17,7 @@ from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster.operate import render_operations
 from moepipe.deploy.render import loadtest
 from moepipe.deploy.render.fallback import bls_values, render_fallback
-from moepipe.deploy.render.targets import TARGETS, Artifacts
+from moepipe.deploy.render.targets import Artifacts, values_of
 from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, flag
 from moepipe.deploy.render.templates import check_repository, render_tree, templates_root
 from moepipe.errors import MoepipeError
@@ -61,15 +61,14 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
     ``fallback``: the ``deploy.fallback`` pipeline's config and build (see
     :mod:`moepipe.deploy.render.fallback`)."""
     target = cfg.target
-    if target not in TARGETS:
-        raise MoepipeError(f"target '{target}' cannot be rendered yet")
+    target_values = values_of(target)
     out = cfg.deploy_dir
     out.parent.mkdir(parents=True, exist_ok=True)
     root = templates_root()
     with atomic_dir(out, overwrite=overwrite) as tmp:
         # Paths inside the files point at the final location, not the temporary one.
         values = common_values(cfg, out / "tokenizer", art.vocab_size)
-        values.update(TARGETS[target](cfg, art, out))
+        values.update(target_values(cfg, art, out))
         copy_tokenizer(art.model_dir, tmp / "tokenizer")
         render_tree([root / "common", root / "targets" / target], values, tmp)
         repo = tmp / "model_repo"
@@ -84,7 +83,7 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
                    "tensorrt_llm_bls"} - configs.keys()
         if missing:
             raise MoepipeError(f"rendered repository lacks {', '.join(sorted(missing))}")
-        render_operations(cfg, art, tmp)
+        render_operations(cfg, tmp)
         loadtest.write(tmp / "locust", cfg)  # a load test in the users' own tool
         (tmp / MANIFEST).write_text(json.dumps(
             {"target": target, "moepipe": __version__, "values": values,

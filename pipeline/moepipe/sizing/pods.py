@@ -1,16 +1,17 @@
-"""Host memory of one serving pod, from the planner's exact weight and KV-cache arithmetic:
-what ``moepipe deploy`` writes as the pod's memory request and limit (``deploy/k8s``) unless
+"""Host memory of one serving pod, from the exact weight and KV-cache arithmetic: what
+``moepipe deploy`` writes as the pod's memory request and limit (``deploy/k8s``) unless
 ``deploy.k8s.memory_gib`` sets it.
 
 ============== ==============================================================================
 target         host memory of one pod
 ============== ==============================================================================
-cpu            every rank's weights as the reference runtime holds them (float32; replicated
+CPU (cpu)      every rank's weights as the reference runtime holds them (float32; replicated
                tensors once per rank, as the converter writes them) x 1.25, the KV cache of
                every rank (max_batch_size x max_seq_len tokens, float32; MLA: one latent per
                token and layer), plus 2 GiB for Triton and the Python models
-GPU targets    the pod's share of the weights in the built format (each rank's file passes
-               through host memory while the engine or model loads), plus 8 GiB
+GPU targets    the pod's share of the weights in the built format, as the target's artifact
+               lays them out (each rank's file passes through host memory while the engine or
+               model loads), plus 8 GiB
 ============== ==============================================================================
 """
 
@@ -19,9 +20,10 @@ from __future__ import annotations
 import math
 
 from moepipe.mapping import stage_layers
-from moepipe.planner.estimate import kv_bytes_per_token
-from moepipe.planner.shapes import ModelShape
-from moepipe.planner.weights import Sharding, stage_weight_bytes
+from moepipe.sizing.gpu import kv_bytes_per_token
+from moepipe.sizing.shapes import ModelShape
+from moepipe.sizing.weights import Sharding, stage_weight_bytes
+from moepipe.targets import get_target
 
 GIB = 1 << 30
 CPU_HEADROOM = 1.25
@@ -33,7 +35,8 @@ def pod_memory_bytes(model: ModelShape, s: Sharding, target: str, *, fmt: str = 
                      dtype: str | None = None, gpus_per_pod: int = 1, max_batch_size: int = 1,
                      max_seq_len: int = 1) -> int:
     """Host bytes one pod of a deployment needs (see the module's table)."""
-    if target == "cpu":
+    served = get_target(target)
+    if not served.gpu:  # moepipe's runtime holds every rank in float32
         weights = sum(s.tp * stage_weight_bytes(model, s, st, "none", "float32")
                       for st in range(s.pp))
         kv = sum(s.tp * kv_bytes_per_token(model, s, len(stage_layers(model.num_layers, s.pp,
@@ -41,7 +44,7 @@ def pod_memory_bytes(model: ModelShape, s: Sharding, target: str, *, fmt: str = 
                  for st in range(s.pp)) * max_batch_size * max_seq_len
         return math.ceil(weights * CPU_HEADROOM) + kv + CPU_RESERVE
     total = sum(s.tp * stage_weight_bytes(model, s, st, fmt, dtype,
-                                          hf_layout=target == "trtllm-pytorch")
+                                          hf_layout=served.hf_layout)
                 for st in range(s.pp))
     share = math.ceil(total * min(gpus_per_pod, s.world_size) / s.world_size)
     return share + GPU_RESERVE
