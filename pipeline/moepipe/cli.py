@@ -66,17 +66,47 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+class _Stderr:
+    """sys.stderr as it is at each write: while a progress bar redirects it, log lines print
+    above the bar instead of through it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+def _main(ctx: typer.Context,
+          debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
           verbose: bool = typer.Option(False, "-v", "--verbose", help="Log progress."),
-          quiet: bool = typer.Option(False, "-q", "--quiet", help="Only errors."),
+          quiet: bool = typer.Option(False, "-q", "--quiet", help="Only errors (no progress "
+                                     "bars)."),
           version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     _state["debug"] = debug
     level = logging.DEBUG if debug else logging.INFO if verbose else \
         logging.ERROR if quiet else logging.WARNING
-    logging.basicConfig(level=level, format="moepipe: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=level, format="moepipe: %(message)s", stream=_Stderr())
     _state["quiet"] = quiet
+    _show_progress(ctx, quiet)
+
+
+def _show_progress(ctx: typer.Context, quiet: bool) -> None:
+    """Progress of long work on stderr while the command runs (moepipe.terminal)."""
+    from moepipe.terminal import progress_view
+    from moepipe.utils import progress
+
+    view = progress_view(quiet)
+    progress.install(view)
+
+    def done() -> None:
+        progress.install(None)
+        if view is not None:
+            view.close()
+
+    ctx.call_on_close(done)
 
 
 def _echo(text: str = "") -> None:

@@ -22,7 +22,6 @@ import logging
 import os
 import shlex
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,21 +46,10 @@ from moepipe.stages.registry import STAGES
 from moepipe.utils.fs import atomic_dir, write_text_atomic
 from moepipe.utils.memory import available_memory
 from moepipe.utils.oserrors import check_workdir, describe_os_error
+from moepipe.utils.progress import task
 
 MANIFEST = "build-manifest.json"
 log = logging.getLogger("moepipe")
-
-
-@contextlib.contextmanager
-def live_status(enabled: bool, first: str) -> Iterator[Echo]:
-    """A rich spinner line on a terminal (``update(text)`` changes it); nothing otherwise."""
-    if not enabled:
-        yield lambda text: None
-        return
-    from rich.console import Console
-
-    with Console(stderr=True).status(first) as status:
-        yield lambda text: status.update(f"{first}: {text}")
 
 
 def check_host_memory(ctx: BuildContext, stage: Stage) -> None:
@@ -196,19 +184,15 @@ def _link(cfg: MoepipeConfig, stage: Stage, target: Path) -> None:
 
 
 def run_build(config: Path | None, echo: Echo = print, force: tuple[str, ...] = (),
-              dry_run: bool = False, until: str | None = None,
-              progress: bool | None = None) -> dict:
-    """Build what ``config`` needs. ``progress``: live progress lines (default: when stderr
-    is a terminal)."""
+              dry_run: bool = False, until: str | None = None) -> dict:
+    """Build what ``config`` needs (each stage a progress task: :mod:`moepipe.utils.progress`)."""
     cfg = load_config(config)
     check_workdir(cfg.workdir)
     if dry_run:
         return print_plan(cfg, force, echo, until)
-    if progress is None:
-        progress = sys.stderr.isatty()
     with _lock(cfg.workdir):
         _clean_partials(cfg)
-        return _build(cfg, echo, force, until, progress)
+        return _build(cfg, echo, force, until)
 
 
 def _stage_details(entry: PlanEntry) -> dict[str, Any]:
@@ -219,7 +203,7 @@ def _stage_details(entry: PlanEntry) -> dict[str, Any]:
 
 
 def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
-           until: str | None, progress: bool = False) -> dict:
+           until: str | None) -> dict:
     ctx = BuildContext(cfg, echo)
     entries = plan(cfg, force, until)
     for entry in entries:  # where it will fail, fail before hours of work
@@ -245,7 +229,8 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
             entry.output.parent.mkdir(parents=True, exist_ok=True)
             try:
                 with atomic_dir(entry.output, overwrite=True) as tmp, \
-                        live_status(progress, name) as ctx.status:
+                        task(name) as running:
+                    ctx.status = running.say
                     details = entry.stage.run(ctx, tmp) or {}
                     fault_point(name)
                     write_stage_record(tmp, name, entry.fingerprint, details)

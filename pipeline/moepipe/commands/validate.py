@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moepipe.config import MoepipeConfig
+from moepipe.utils.progress import task
 from moepipe.validate.base import Endpoint, JobContext
 from moepipe.validate.registry import JOBS
 from moepipe.validate.report import Report
@@ -46,8 +47,11 @@ def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | Non
         checkpoint = None
     ctx = JobContext(ep, cfg, source, checkpoint, state_dir(cfg))
     report = Report(target=cfg.target, endpoint={"http": ep.http, "grpc": ep.grpc})
-    for name in jobs or cfg.validation.jobs:
-        job = JOBS[name](ctx)
+    names = jobs or cfg.validation.jobs
+    for i, name in enumerate(names, 1):
+        # the load jobs plan and count their requests in it (moepipe.validate.load)
+        with task(f"validate {name} (job {i} of {len(names)})", unit="requests"):
+            job = JOBS[name](ctx)
         report.jobs.append(job)
         for case in job.cases:
             mark = {"passed": "ok  ", "skipped": "skip", "failed": "FAIL", "error": "ERR "}

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from moepipe.utils.progress import IDLE, Task, current
 from moepipe.validate import http1
 
 # Request outcomes. "rejected": the server refused it as busy (bounded queue); "failed": any
@@ -304,7 +305,7 @@ def _stopped(stop: threading.Event | None) -> bool:
 
 
 async def _closed(plan: LoadPlan, client: _Client, deadline: float,
-                  stop: threading.Event | None = None) -> list[Sample]:
+                  stop: threading.Event | None = None, meter: Task = IDLE) -> list[Sample]:
     samples: list[Sample] = []
     prompts = _prompt_cycle(plan.prompts, plan.seed)
     budget = itertools.count()
@@ -313,13 +314,14 @@ async def _closed(plan: LoadPlan, client: _Client, deadline: float,
         while client.now() < deadline and not _stopped(stop) and \
                 next(budget) < plan.max_requests:
             samples.append(await client.send(next(prompts)))
+            meter.advance()
 
     await asyncio.gather(*(user() for _ in range(plan.concurrency or 1)))
     return samples
 
 
 async def _open(plan: LoadPlan, client: _Client, deadline: float,
-                stop: threading.Event | None = None) -> list[Sample]:
+                stop: threading.Event | None = None, meter: Task = IDLE) -> list[Sample]:
     rng = random.Random(plan.seed)
     prompts = _prompt_cycle(plan.prompts, plan.seed + 1)
     samples: list[Sample] = []
@@ -328,6 +330,7 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float,
     def finished(task: asyncio.Task) -> None:
         tasks.discard(task)
         samples.append(task.result())
+        meter.advance()
 
     at, sent, start = 0.0, 0, 0.0
     for seconds, rate in plan.schedule or []:
@@ -345,6 +348,7 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float,
             if len(tasks) >= plan.max_inflight:
                 samples.append(Sample(prompt.kind, client.now(), "not_sent", done=client.now(),
                                       error=f"client in-flight limit {plan.max_inflight}"))
+                meter.advance()
                 continue
             task = asyncio.create_task(client.send(prompt))
             tasks.add(task)
@@ -355,17 +359,18 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float,
     return samples
 
 
-def _run_one(plan: LoadPlan, t0: float,
-             stop: threading.Event | None = None) -> tuple[list[Sample], float, float]:
-    """Run a plan in this process; returns samples, CPU seconds and wall seconds."""
+def _run_one(plan: LoadPlan, t0: float, stop: threading.Event | None = None,
+             meter: Task = IDLE) -> tuple[list[Sample], float, float]:
+    """Run a plan in this process (counting each request done in ``meter``); returns
+    samples, CPU seconds and wall seconds."""
     async def main():
         await asyncio.sleep(max(0.0, t0 - time.monotonic()))
         kind = _HttpClient if plan.protocol == "http" else _Client
         client: _Client | _HttpClient = kind(plan.url, plan.model, plan.timeout_s, t0)
         try:
             if plan.concurrency is not None:
-                return await _closed(plan, client, plan.duration_s, stop)
-            return await _open(plan, client, plan.duration_s, stop)
+                return await _closed(plan, client, plan.duration_s, stop, meter)
+            return await _open(plan, client, plan.duration_s, stop, meter)
         finally:
             await client.close()
 
@@ -406,9 +411,14 @@ def run_load(plan: LoadPlan, stop: threading.Event | None = None) -> LoadResult:
     if plan.arrival not in ("poisson", "constant"):
         raise ValueError(f"unknown arrival {plan.arrival!r} (poisson or constant)")
     n = max(1, min(plan.processes, plan.concurrency or plan.processes))
+    # the requests count in the caller's progress task (a validation job's): planned now,
+    # done as they end; what the deadline left unsent is taken back from the plan
+    meter = current()
+    meter.plan(plan.max_requests)
     start = time.monotonic()
     if n == 1:
-        samples, cpu, wall = _run_one(plan, start, stop)
+        samples, cpu, wall = _run_one(plan, start, stop, meter)
+        meter.plan(len(samples) - plan.max_requests)
         return LoadResult(samples, time.monotonic() - start, [cpu], [wall], start)
     # Worker processes are fresh interpreters fed their part of the plan as JSON: nothing of
     # the caller's state (threads, gRPC channels, __main__) is forked or re-imported.
@@ -435,6 +445,8 @@ def run_load(plan: LoadPlan, stop: threading.Event | None = None) -> LoadResult:
             raise RuntimeError(f"a load process failed (exit {proc.returncode})")
         parts.append(json.loads(out))
     samples = sorted((Sample(**s) for p in parts for s in p["samples"]), key=lambda s: s.sent)
+    meter.advance(len(samples))  # the processes report once, at their end
+    meter.plan(len(samples) - plan.max_requests)
     return LoadResult(samples, time.monotonic() - t0, [p["cpu"] for p in parts],
                       [p["wall"] for p in parts], t0)
 

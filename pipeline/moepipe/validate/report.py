@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moepipe.utils.fs import write_text_atomic
+from moepipe.utils.progress import current
 from moepipe.validate.html import render
 
 
@@ -34,6 +35,7 @@ class JobResult:
 
     def run(self, name: str, fn: Callable[[], dict | None]) -> Case:
         """Run one check: returning details passes, CheckFailed fails, other errors err."""
+        current().say(name)  # which check of the job runs, beside its progress
         start = time.perf_counter()
         try:
             details = fn() or {}
