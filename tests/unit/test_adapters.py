@@ -197,3 +197,51 @@ def test_beyond_the_slots_and_the_queue_bound_is_busy_then_served_again(adapter)
     assert _held(adapter) == 0
     assert not _answer(adapter, Request(**_inputs([PROMPT], 2)))[-1][0].has_error()
 
+# -- the text models around tensorrt_llm ------------------------------------------------------
+COMMON = Path(__file__).parents[2] / "model_repo" / "common" / "model_repo"
+
+
+class _Stub:
+    """A composing model that answers every request with ``answer(request)``."""
+
+    def __init__(self, pb, answer, decoupled):
+        self.pb, self.answer, self.decoupled = pb, answer, decoupled
+
+    def execute(self, requests):
+        if not self.decoupled:
+            return [self.answer(r) for r in requests]
+        for r in requests:
+            r.get_response_sender().send(self.answer(r), flags=FINAL)
+        return None
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["decoupled", "not-decoupled"])
+def test_the_bls_passes_a_busy_refusal_on_as_unavailable(tmp_path, decoupled):
+    """Issue 26 item 4: the Python backend hands a BLS model the tensorrt_llm model's
+    UNAVAILABLE as INTERNAL (python_backend r24.10 src/request_executor.cc), which HTTP /infer
+    answered with 500 and gRPC with INTERNAL; the BLS model restores UNAVAILABLE (503)."""
+    pb = triton_fake.module()
+    busy = ("Exceeds maximum queue size: 1 requests are waiting for one of 4 slots "
+            "(deploy.max_queue_size 1); retry later")
+    T = triton_fake.Tensor
+    pb.models["preprocessing"] = _Stub(pb, lambda r: pb.InferenceResponse(output_tensors=[
+        T("INPUT_ID", np.array([PROMPT], np.int32)), T("REQUEST_INPUT_LEN", [[len(PROMPT)]]),
+        T("REQUEST_OUTPUT_LEN", [[4]]), T("OUT_END_ID", [[0]]), T("OUT_PAD_ID", [[0]]),
+        T("STOP_WORDS_IDS", np.zeros((1, 2, 0))), T("BAD_WORDS_IDS", np.zeros((1, 2, 0))),
+        T("EMBEDDING_BIAS", np.zeros((1, 0)))]), False)
+    pb.models["tensorrt_llm"] = _Stub(pb, lambda r: pb.InferenceResponse(
+        error=pb.TritonError(busy, pb.TritonError.UNAVAILABLE)), True)
+    bls = triton_fake.load_model(COMMON / "tensorrt_llm_bls" / "1", tmp_path, pb,
+                                 triton_fake.config(4, decoupled, accumulate_tokens="false",
+                                                    fallback_model_name=""),
+                                 name="tensorrt_llm_bls")
+    request = Request(text_input=np.array([[b"hello"]], object),
+                      max_tokens=np.array([[4]], np.int32))
+    answered = bls.execute([request])
+    if answered is not None:  # not decoupled: the one response
+        request.sender.send(answered[0], FINAL)
+    assert request.sender.done.wait(10)
+    bls.finalize()
+    error = request.sender.sent[-1][0].error
+    assert (error.message, error.code) == (busy, "UNAVAILABLE")
+

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import triton_code
+from .errors import is_busy, triton_code
 
 
 def parameters(model_config: dict) -> dict[str, str]:
@@ -43,3 +43,11 @@ def error(pb_utils, failure: BaseException) -> object:
 def error_response(pb_utils, failure: BaseException) -> object:
     return pb_utils.InferenceResponse(error=error(pb_utils, failure))
 
+
+def restore_code(pb_utils, failure) -> object:
+    """A composing model's error as a BLS model received it: the Python backend hands every
+    such error over as INTERNAL (python_backend r24.10 ``src/request_executor.cc``: ``PbError
+    (pb_exception.what())``); a busy refusal is UNAVAILABLE again."""
+    if is_busy(failure.message()) and failure.code() != pb_utils.TritonError.UNAVAILABLE:
+        return pb_utils.TritonError(failure.message(), pb_utils.TritonError.UNAVAILABLE)
+    return failure

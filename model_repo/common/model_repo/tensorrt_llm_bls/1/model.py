@@ -7,7 +7,9 @@ tensorrt_llm becomes one response here, its text decoded by postprocessing (``te
 shape [beams]) and its other outputs (``batch_index``, logits, ...) passed on. In decoupled mode
 each request runs on a worker thread so ``execute`` returns at once; with ``accumulate_tokens``
 the streamed text is decoded from all tokens of the row so far (multi-byte characters are never
-split). Needs only numpy.
+split). Needs only numpy. A composing model's error reaches this model as INTERNAL whatever its
+code (the Python backend drops it); a busy refusal is passed on as UNAVAILABLE again
+(``serving_core.triton.restore_code``).
 """
 
 import json
@@ -23,7 +25,7 @@ import triton_python_backend_utils as pb_utils
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overload  # noqa: E402 - beside this file; the model runs without moepipe installed
 from serving_core.responses import FINAL, Last  # noqa: E402 - shipped beside this file
-from serving_core.triton import error_response, flag, parameters  # noqa: E402
+from serving_core.triton import error_response, flag, parameters, restore_code  # noqa: E402
 
 # How often a decoupled request's client is asked whether it cancelled (or went away).
 CANCEL_POLL_S = 0.25
@@ -114,7 +116,8 @@ class TritonPythonModel:
                 sender.send(response)
             sender.send(flags=FINAL)
         except _Failed as e:
-            sender.send(pb_utils.InferenceResponse(error=e.error), flags=FINAL)
+            sender.send(pb_utils.InferenceResponse(error=restore_code(pb_utils, e.error)),
+                        flags=FINAL)
         except Exception as e:  # a request moepipe refuses (ValueError) or a bug: the client
             sender.send(error_response(pb_utils, e), flags=FINAL)  # hears, the server lives
         finally:
