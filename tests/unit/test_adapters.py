@@ -197,6 +197,7 @@ def test_beyond_the_slots_and_the_queue_bound_is_busy_then_served_again(adapter)
     assert _held(adapter) == 0
     assert not _answer(adapter, Request(**_inputs([PROMPT], 2)))[-1][0].has_error()
 
+
 # -- the text models around tensorrt_llm ------------------------------------------------------
 COMMON = Path(__file__).parents[2] / "model_repo" / "common" / "model_repo"
 
@@ -245,3 +246,30 @@ def test_the_bls_passes_a_busy_refusal_on_as_unavailable(tmp_path, decoupled):
     error = request.sender.sent[-1][0].error
     assert (error.message, error.code) == (busy, "UNAVAILABLE")
 
+
+@pytest.fixture
+def postprocessing(examples, tmp_path):
+    return triton_fake.load_model(
+        COMMON / "postprocessing" / "1", tmp_path, triton_fake.module(),
+        triton_fake.config(4, False, tokenizer_dir=examples["tiny-mixtral"],
+                           skip_special_tokens="true", vocab_size=512),
+        name="postprocessing")
+
+
+@pytest.mark.parametrize("ids,n,message", [
+    ([5, -1], 2, "token id -1 is outside the vocabulary (0..511)"),
+    ([5, 512], 2, "token id 512 is outside the vocabulary (0..511)"),
+    ([5, 2**31 - 1], 2, "token id 2147483647 is outside the vocabulary (0..511)"),
+    ([5, 6], 3, "SEQUENCE_LENGTH 3 is outside 0..2 (the length of TOKENS_BATCH)"),
+])
+def test_postprocessing_refuses_ids_outside_the_vocabulary(postprocessing, ids, n, message):
+    """Issue 26 item 17: an out-of-vocabulary id was a 500 with a Python traceback (or, above
+    the tokenizer's ids, silently dropped from the text); now INVALID_ARG in the words the
+    tensorrt_llm model uses for a prompt's ids. The other requests of the batch are decoded."""
+    good = Request(TOKENS_BATCH=np.array([[[5, 6, 7]]], np.int32),
+                   SEQUENCE_LENGTH=np.array([[3]], np.int32))
+    bad = Request(TOKENS_BATCH=np.array([[ids]], np.int32),
+                  SEQUENCE_LENGTH=np.array([[n]], np.int32))
+    ok, refused = postprocessing.execute([good, bad])
+    assert (refused.error.message, refused.error.code) == (message, "INVALID_ARG")
+    assert not ok.has_error() and ok.outputs["OUTPUT"].shape == (1,)
