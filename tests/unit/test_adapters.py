@@ -273,3 +273,22 @@ def test_postprocessing_refuses_ids_outside_the_vocabulary(postprocessing, ids, 
     ok, refused = postprocessing.execute([good, bad])
     assert (refused.error.message, refused.error.code) == (message, "INVALID_ARG")
     assert not ok.has_error() and ok.outputs["OUTPUT"].shape == (1,)
+
+
+@pytest.mark.parametrize("beam,streaming,message", [
+    (0, False, "beam_width must be >= 1, got 0"),
+    (2, False, {"cpu": "beam_width 2: beam search is not supported by the cpu target (it is on "
+                       "trtllm-engine, build.max_beam_width)"}),
+    (2, True, {"trtllm-pytorch": "streaming with beam_width 2 is not supported by the "
+                                 "trtllm-pytorch target"})])
+def test_beams_each_target_refuses(adapter, beam, streaming, message):
+    """What the engine behind each adapter cannot do with beams (contract.Features)."""
+    if isinstance(message, dict):
+        if adapter.target not in message:
+            return
+        message = message[adapter.target]
+    if streaming and not adapter.decoupled:
+        return  # refused for needing decoupled mode first
+    error = _error(adapter, **_inputs([PROMPT], 2, beam_width=np.int32(beam),
+                                      streaming=streaming))
+    assert (error.message, error.code) == (message, "INVALID_ARG")

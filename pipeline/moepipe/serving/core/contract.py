@@ -59,6 +59,7 @@ class Features:
     target: str
     unsupported: dict[str, str]  # input -> what it is for; refused when given (non-empty)
     beam_search: bool = False
+    streaming_beams: bool = False  # streaming with beam_width > 1
     return_sequences: bool = True  # num_return_sequences > 1
     top_p_decay: bool = False  # runtime_top_p_decay != 1
 
@@ -164,10 +165,15 @@ def _refuse_unhonoured(t: _Inputs, features: Features, decoupled: bool) -> None:
                                f"is for {what} (serve it on trtllm-engine)")
     for b in range(t.batch_size):
         beam = t.scalar("beam_width", b, 1, int)
-        if beam != 1 and not (features.beam_search and beam > 1):
+        if beam < 1:
+            raise RequestError(f"beam_width must be >= 1, got {beam}")
+        if beam > 1 and not features.beam_search:
             raise RequestError(f"beam_width {beam}: beam search is not supported by the "
                                f"{features.target} target (it is on trtllm-engine, "
                                "build.max_beam_width)")
+        if beam > 1 and t.scalar("streaming", b, False, bool) and not features.streaming_beams:
+            raise RequestError(f"streaming with beam_width {beam} is not supported by the "
+                               f"{features.target} target")
         sequences = t.scalar("num_return_sequences", b, 1, int)
         if sequences < 1:
             raise RequestError(f"num_return_sequences must be >= 1, got {sequences}")
