@@ -5,55 +5,19 @@ the adapter's own logic - rows of a batch, ``stop`` by request id, refusals - no
 """
 
 import asyncio
-import importlib.util
-import json
 import sys
-import threading
 import time
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+import triton_fake
+from triton_fake import FINAL
+from triton_fake import Request as _Request
 
-MODEL = (Path(__file__).parents[2] / "model_repo" / "targets" / "trtllm-pytorch" / "model_repo"
-         / "tensorrt_llm" / "1" / "model.py")
-FINAL = 1
-
-
-class _Tensor:
-    def __init__(self, name, value):
-        self._name, self._value = name, np.asarray(value)
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._value
-
-
-class _Response:
-    def __init__(self, output_tensors=(), error=None):
-        self.outputs = {t.name(): t.as_numpy() for t in output_tensors}
-        self.error = error
-
-
-class _Error:
-    INVALID_ARG, INTERNAL, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "UNAVAILABLE"
-
-    def __init__(self, message, code=None):
-        self.message, self.code = message, code
-
-
-def _pb_utils():
-    pb = types.ModuleType("triton_python_backend_utils")
-    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
-    pb.Tensor, pb.InferenceResponse, pb.TritonError = _Tensor, _Response, _Error
-    pb.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
-    pb.using_decoupled_model_transaction_policy = \
-        lambda cfg: cfg["model_transaction_policy"]["decoupled"]
-    pb.Logger = types.SimpleNamespace(log_warn=lambda msg: None)
-    return pb
+TEMPLATE = (Path(__file__).parents[2] / "model_repo" / "targets" / "trtllm-pytorch"
+            / "model_repo" / "tensorrt_llm" / "1")
 
 
 class _Result:
@@ -98,49 +62,18 @@ def _tensorrt_llm():
     return trt
 
 
-class _Sender:
-    def __init__(self):
-        self.sent, self.done = [], threading.Event()
-
-    def is_cancelled(self):
-        return False
-
-    def send(self, response=None, flags=0):
-        self.sent.append((response, flags))
-        if flags & FINAL:
-            self.done.set()
-
-
-class _Request:
-    def __init__(self, request_id="", **inputs):
-        self.inputs = {k: _Tensor(k, v) for k, v in inputs.items()}
-        self._id, self.sender = request_id, _Sender()
-
-    def request_id(self):
-        return self._id
-
-    def get_response_sender(self):
-        return self.sender
-
-
 @pytest.fixture(params=[True, False], ids=["decoupled", "not-decoupled"])
 def model(request, monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _pb_utils())
     monkeypatch.setitem(sys.modules, "tensorrt_llm", _tensorrt_llm())
-    folder = tmp_path / "1"
-    folder.mkdir()
-    (folder / "model.py").write_text(MODEL.read_text())
-    (folder / "model.yaml").write_text(
+    template = tmp_path / "template"
+    template.mkdir()
+    (template / "model.py").write_text((TEMPLATE / "model.py").read_text())
+    (template / "model.yaml").write_text(
         f"triton_config: {{max_batch_size: 4, decoupled: {str(request.param).lower()}}}\n")
-    spec = importlib.util.spec_from_file_location("pytorch_adapter_model", folder / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    instance = module.TritonPythonModel()
-    params = {"exclude_input_in_output": "false", "trtllm_container": "c",
-              "trtllm_version": "stand-in", "max_queue_size": "1"}
-    instance.initialize({"model_config": json.dumps({
-        "max_batch_size": 4, "model_transaction_policy": {"decoupled": request.param},
-        "parameters": {k: {"string_value": v} for k, v in params.items()}})})
+    instance = triton_fake.load_model(
+        template, tmp_path, triton_fake.module(), triton_fake.config(
+            4, request.param, exclude_input_in_output="false", trtllm_container="c",
+            trtllm_version="stand-in", max_queue_size="1"))
     yield instance
     instance.finalize()
 

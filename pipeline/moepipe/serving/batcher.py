@@ -18,7 +18,8 @@ import torch
 
 from moepipe.runtime.model import Batch, KVCache, ReferenceModel
 from moepipe.runtime.sampling import sample
-from moepipe.serving.admission import Admission, Busy
+from moepipe.serving.core.admission import Admission
+from moepipe.serving.core.errors import Busy
 from moepipe.serving.request import GenerationRequest, RequestError
 
 log = logging.getLogger("moepipe")
@@ -30,15 +31,19 @@ class Batcher:
     def __init__(self, model: ReferenceModel, max_batch_size: int, max_seq_len: int,
                  max_input_len: int | None = None,
                  on_step: Callable[[ReferenceModel, bool], None] | None = None,
-                 max_queue_size: int = 0, queue_timeout_s: float = 0.0):
+                 max_queue_size: int = 0, queue_timeout_s: float = 0.0,
+                 admission: Admission | None = None):
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_input_len = max_input_len or max_seq_len
         self.cache = KVCache(model, max_batch_size, max_seq_len)
         self.on_step = on_step
-        # max_queue_size requests may wait for a slot (0: any number); more are refused (Busy)
-        self.admission = Admission(max_batch_size, max_queue_size, queue_timeout_s)
+        # max_queue_size requests may wait for a slot (0: any number); more are refused (Busy).
+        # A Triton model passes the serving core's copy it ships (its Busy is the one it
+        # answers as UNAVAILABLE).
+        self.admission = admission or Admission(max_batch_size, max_queue_size,
+                                                queue_timeout_s)
         self._incoming: queue.Queue[GenerationRequest | None] = queue.Queue()
         self._waiting: list[GenerationRequest] = []
         self._running: list[GenerationRequest] = []

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from moepipe.serving.core.errors import BUSY_TEXTS
 from moepipe.utils.progress import IDLE, Task, current
 from moepipe.validate import http1
 
@@ -42,10 +43,9 @@ from moepipe.validate import http1
 # other server or transport error; "timeout": no final response within the per-request limit;
 # "not_sent": the client's own in-flight limit (open loop only).
 OUTCOMES = ("ok", "rejected", "failed", "timeout", "not_sent")
-# Triton's queue policy (core src/scheduler_utils.cc, src/dynamic_batch_scheduler.cc; the cpu
-# engine answers the same), TensorRT-LLM's executor (executorImpl.cpp enqueueRequests).
-BUSY_MARKERS = ("exceeds maximum queue size", "request timeout expired",
-                "has been reached, please try again later", "server is busy", "busy:",
+# Triton's queue policy and TensorRT-LLM's executor (what every moepipe target answers:
+# moepipe.serving.core.errors), and other servers' words for the same.
+BUSY_MARKERS = (*(text.lower() for text in BUSY_TEXTS), "server is busy", "busy:",
                 "resource_exhausted")
 
 

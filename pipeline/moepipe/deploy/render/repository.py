@@ -21,9 +21,12 @@ from moepipe.deploy.render.targets import Artifacts, values_of
 from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, flag
 from moepipe.deploy.render.templates import check_repository, render_tree, templates_root
 from moepipe.errors import MoepipeError
+from moepipe.serving import core
 from moepipe.utils.fs import atomic_dir
 
 MANIFEST = "moepipe-deploy.json"
+# The serving core's folder beside each Python model (imported as ``serving_core``).
+SERVING_CORE = "serving_core"
 
 
 def common_values(cfg: MoepipeConfig, tokenizer_dir: Path, vocab_size: int) -> dict[str, str]:
@@ -55,6 +58,22 @@ def copy_tokenizer(model_dir: Path, dst: Path) -> None:
         shutil.copy2(path, dst / path.name)
 
 
+def ship_serving_core(repo: Path) -> list[Path]:
+    """Copy :mod:`moepipe.serving.core` into the version folder of every Python model of
+    ``repo`` (``<model>/1/model.py``) as ``serving_core``: the request/response rules every
+    model shares, which must run where moepipe is not installed (NVIDIA's containers).
+    Returns the folders written."""
+    src = Path(core.__file__).parent
+    written = []
+    for model_py in sorted(repo.glob("*/1/model.py")):
+        dst = model_py.parent / SERVING_CORE
+        dst.mkdir(exist_ok=True)
+        for path in sorted(src.glob("*.py")):
+            shutil.copy2(path, dst / path.name)
+        written.append(dst)
+    return written
+
+
 def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True,
                       fallback: tuple[MoepipeConfig, Artifacts] | None = None) -> Path:
     """Write ``cfg.deploy_dir`` for ``cfg.target``; returns the model repository path.
@@ -78,6 +97,7 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
                             common_values(fb_cfg, out / "tokenizer", fb_art.vocab_size), repo, out)
         for model in repo.iterdir():
             (model / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even empty
+        ship_serving_core(repo)
         configs = check_repository(repo)
         missing = {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing",
                    "tensorrt_llm_bls"} - configs.keys()
