@@ -1,6 +1,8 @@
-"""Issue 26 (items 1, 6, 16), the parts that need no server: signals become one clean exit, a
-deployment removes only the shared memory it names, serve's ports are checked."""
+"""Issue 26 (items 1, 6, 16, 18), the parts that need no server: signals become one clean
+exit, a deployment removes only the shared memory it names, serve's ports are checked, stale
+partial outputs are removed."""
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -105,3 +107,28 @@ def test_serve_refuses_ports_it_cannot_serve_on_in_one_line(tmp_path, capsys, ar
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+# -- item 18: partial outputs of killed runs ---------------------------------------------------
+def test_atomic_dir_removes_what_killed_runs_left_and_keeps_running_ones(tmp_path):
+    from moepipe.utils.fs import atomic_dir
+
+    out = tmp_path / "ckpt"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    killed = tmp_path / f".ckpt.partial-{dead}-a1b2c3"
+    older = tmp_path / ".ckpt.partial-x7y8z9"  # earlier moepipe versions named no owner
+    running = tmp_path / f".ckpt.partial-{os.getpid()}-d4e5f6"
+    locked = tmp_path / f".ckpt.partial-{dead}-locked"  # a writer on another host holds it
+    for folder in (killed, older, running, locked):
+        folder.mkdir()
+        (folder / "rank0.safetensors").write_bytes(b"x")
+    fd = os.open(locked, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with atomic_dir(out) as tmp:
+            (tmp / "rank0.safetensors").write_bytes(b"y")
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", running.name,
+                                                                  locked.name])
