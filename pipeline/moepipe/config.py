@@ -495,6 +495,12 @@ class PerfSection(Section):
     requests: int = Field(24, ge=1, le=MAX_REQUESTS, description="Requests per point (at most).")
     duration_s: float = Field(20.0, gt=0, le=DAY_S, description="Seconds per point (at most).")
 
+    @model_validator(mode="after")
+    def _some_point(self):
+        if not self.concurrency and not self.rates:  # a sweep of nothing passes vacuously
+            raise ValueError("concurrency and rates are both empty: perf would measure nothing")
+        return self
+
 
 class BurstSection(Section):
     base_rate: float = Field(2.0, gt=0, le=MAX_RATE,
@@ -548,7 +554,8 @@ class BalanceSection(Section):
 
 class RecoverySection(Section):
     kill: list[Literal["server", "backend"]] = Field(
-        ["server", "backend"], description="What is killed (SIGKILL), in turn.")
+        ["server", "backend"], min_length=1,
+        description="What is killed (SIGKILL), in turn.")
     rate: float = Field(2.0, gt=0, le=MAX_RATE, description="Requests/s during the job.")
     warmup_s: float = Field(3.0, gt=0, le=DAY_S, description="Load before the kill.")
     after_s: float = Field(3.0, ge=0, le=DAY_S, description="Load after the deadline.")
@@ -561,8 +568,8 @@ class ValidateSection(Section):
     grpc_url: str | None = Field(None, description="gRPC endpoint host:port.")
     metrics_url: str | None = Field(None, description="Prometheus metrics host:port (default: "
                                                       "the local deployment's).")
-    jobs: list[JobName] = Field(["smoke", "accuracy"], description="Jobs `moepipe validate` "
-                                                                   "runs.")
+    jobs: list[JobName] = Field(["smoke", "accuracy"], min_length=1,
+                                description="Jobs `moepipe validate` runs.")
     prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1,
                                description="Prompts the smoke and accuracy jobs send.")
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS,
@@ -667,6 +674,21 @@ class MoepipeConfig(Section):
                                  f"balancer: it needs target {able}, "
                                  "parallel.attention_dp: true, parallel.moe_ep >= 2 and "
                                  "deploy.trtllm.moe_backend: WIDEEP")
+        return self
+
+    @model_validator(mode="after")
+    def _validation_fits_the_build(self):
+        """Tokens a validation request asks for fit what the deployment serves (a prompt of at
+        least one token + the generated ones <= build.max_seq_len): the accuracy job
+        generates as many in transformers for its reference, server up or not."""
+        limit = self.build.max_seq_len - 1
+        v = self.validation
+        for key, value in (("validate.max_tokens", v.max_tokens),
+                           ("validate.load.max_tokens", v.load.max_tokens)):
+            if value > limit:
+                raise ValueError(f"{key} is {value}; the build serves at most {limit} "
+                                 f"generated tokens (build.max_seq_len {self.build.max_seq_len}"
+                                 " minus a prompt token)")
         return self
 
     @property

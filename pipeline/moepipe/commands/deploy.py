@@ -65,12 +65,14 @@ def repository_dir(cfg: MoepipeConfig) -> Path:
 
 
 def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
-    current = lifecycle.status(state_dir(cfg), repository_dir(cfg))
+    where = state_dir(cfg)
+    current = lifecycle.status(where)
     if current.get("server_alive"):
         raise MoepipeError(f"a server is already running for this workdir (pid "
                            f"{current['pid']}, http {current['http']})",
                            "run `moepipe stop` first")
-    left = lifecycle.clear(state_dir(cfg), repository_dir(cfg), current.get("pid"))
+    lifecycle.refuse_served(repository_dir(cfg))  # before rendering over its files
+    left = lifecycle.clear(where)
     if left:
         echo(f"deploy: stopped {len(left)} process(es) an earlier deployment left behind")
     if not get_target(cfg.target).gpu:  # served here: only the processes and threads it can run
@@ -88,13 +90,15 @@ def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
         echo(_gpu_instructions(cfg, art, repo))
         return {"repository": str(repo), "started": False}
     d = cfg.deploy
-    state = lifecycle.start(repo, state_dir(cfg), host=d.host, http_port=d.http_port,
-                            grpc_port=d.grpc_port, metrics_port=d.metrics_port,
-                            timeout=d.ready_timeout_s, exit_timeout=d.exit_timeout_s,
-                            binary=d.tritonserver)
     from moepipe.deploy.local.supervisor import spawn
 
-    state = spawn(state_dir(cfg), state, d.max_restarts)
+    # A signal or an error before the supervisor has the server stops what was started.
+    with lifecycle.guard(where):
+        state = lifecycle.start(repo, where, host=d.host, http_port=d.http_port,
+                                grpc_port=d.grpc_port, metrics_port=d.metrics_port,
+                                timeout=d.ready_timeout_s, exit_timeout=d.exit_timeout_s,
+                                binary=d.tritonserver)
+        state = spawn(where, state, d.max_restarts)
     echo(f"deploy: tritonserver ready (pid {state.pid})\n"
          f"  http     http://{state.http}  (POST /v2/models/ensemble/generate)\n"
          f"  grpc     {state.grpc}\n"

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from moepipe.config import MoepipeConfig
 from moepipe.utils.progress import task
 from moepipe.validate.base import Endpoint, JobContext
+from moepipe.validate.preflight import down, preflight
 from moepipe.validate.registry import JOBS
 from moepipe.validate.report import Report
 
@@ -47,6 +48,11 @@ def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | Non
         checkpoint = None
     ctx = JobContext(ep, cfg, source, checkpoint, state_dir(cfg))
     report = Report(target=cfg.target, endpoint={"http": ep.http, "grpc": ep.grpc})
+    reachable = preflight(ep, cfg.validation.prompts[0])
+    if not reachable.passed:  # fail fast: every job would wait its own timeouts
+        report.jobs.append(reachable)
+        paths = report.write(cfg.workdir / "reports")
+        raise down(reachable, ep, str(paths[1]))
     names = jobs or cfg.validation.jobs
     for i, name in enumerate(names, 1):
         # the load jobs plan and count their requests in it (moepipe.validate.load)
@@ -58,6 +64,7 @@ def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | Non
             echo(f"  {mark[case.status]} {name}.{case.name} ({case.seconds:.2f}s)"
                  + (f": {case.message}" if case.message else ""))
     paths = report.write(cfg.workdir / "reports")
-    echo(f"validate {'PASSED' if report.passed else 'FAILED'} against http {ep.http}, grpc "
-         f"{ep.grpc}; reports: {', '.join(str(p) for p in paths)}")
+    why = "" if report.checked else " (no check ran: every one was skipped)"
+    echo(f"validate {'PASSED' if report.passed else 'FAILED'}{why} against http {ep.http}, "
+         f"grpc {ep.grpc}; reports: {', '.join(str(p) for p in paths)}")
     return report, paths

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import random
 import resource
 import signal
@@ -423,27 +424,17 @@ def run_load(plan: LoadPlan, stop: threading.Event | None = None) -> LoadResult:
     # Worker processes are fresh interpreters fed their part of the plan as JSON: nothing of
     # the caller's state (threads, gRPC channels, __main__) is forked or re-imported.
     t0 = start + 2.0 + 0.5 * n  # every process starts on the same clock (CLOCK_MONOTONIC)
-    procs = [subprocess.Popen([sys.executable, "-m", "moepipe.validate.load"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for _ in range(n)]
-    for i, proc in enumerate(procs):
-        if proc.stdin is None:
-            raise RuntimeError("a load process has no stdin")
-        # one line, flushed: the worker starts on it; communicate() below closes stdin (a
-        # stdin closed here made communicate() fail: "I/O operation on closed file")
-        proc.stdin.write(json.dumps({"plan": asdict(_share(plan, i, n)), "t0": t0}) + "\n")
-        proc.stdin.flush()
-    limit = plan.duration_s + plan.timeout_s + 60
-    parts = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, t0 + limit - time.monotonic()))
-        except subprocess.TimeoutExpired:
+    procs: list[subprocess.Popen] = []
+    try:
+        parts = _run_workers(plan, n, t0, procs)
+    except BaseException:
+        # A signal (moepipe.utils.interrupt) or a failed worker: the others stop sending now,
+        # not when their plan ends; none outlives the caller.
+        for proc in procs:
             proc.kill()
-            raise RuntimeError(f"a load process did not finish within {limit:.0f}s") from None
-        if proc.returncode != 0:
-            raise RuntimeError(f"a load process failed (exit {proc.returncode})")
-        parts.append(json.loads(out))
+        for proc in procs:
+            proc.wait()
+        raise
     samples = sorted((Sample(**s) for p in parts for s in p["samples"]), key=lambda s: s.sent)
     meter.advance(len(samples))  # the processes report once, at their end
     meter.plan(len(samples) - plan.max_requests)
@@ -451,15 +442,60 @@ def run_load(plan: LoadPlan, stop: threading.Event | None = None) -> LoadResult:
                       [p["wall"] for p in parts], t0)
 
 
+def _run_workers(plan: LoadPlan, n: int, t0: float, procs: list[subprocess.Popen]) -> list:
+    """Start ``n`` worker processes (appended to ``procs`` as they start) and collect their
+    reports."""
+    for i in range(n):
+        proc = subprocess.Popen([sys.executable, "-m", "moepipe.validate.load"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        if proc.stdin is None:
+            raise RuntimeError("a load process has no stdin")
+        # one line, flushed: the worker starts on it; communicate() below closes stdin (a
+        # stdin closed here made communicate() fail: "I/O operation on closed file")
+        proc.stdin.write(json.dumps({"plan": asdict(_share(plan, i, n)), "t0": t0,
+                                     "parent": os.getpid()}) + "\n")
+        proc.stdin.flush()
+    limit = plan.duration_s + plan.timeout_s + 60
+    parts = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, t0 + limit - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"a load process did not finish within {limit:.0f}s") from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"a load process failed (exit {proc.returncode})")
+        parts.append(json.loads(out))
+    return parts
+
+
+def _die_with(parent: int) -> None:
+    """End this worker when ``parent`` ends, however it ends (Linux's parent-death signal):
+    a load generator must not outlive the run that started it."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the parent's clean-up still kills it
+        pass
+    if os.getppid() != parent:  # it ended before the signal was armed
+        os._exit(1)
+
+
 def _worker() -> None:
     """``python -m moepipe.validate.load``: run the plan on stdin's first line (JSON: plan,
     t0), print samples as JSON.
     SIGTERM ends the sending early, as ``run_load``'s ``stop`` does (in-flight requests drain,
     then the samples are printed): a caller can run a worker alongside another client for as
-    long as that one runs."""
+    long as that one runs. Ctrl-C in a terminal reaches the worker too: it leaves stopping
+    to its parent (which kills it), and it dies with its parent."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     job = json.loads(sys.stdin.readline())
+    if job.get("parent"):
+        _die_with(job["parent"])
     raw = job["plan"]
     raw["prompts"] = [Prompt(**p) for p in raw["prompts"]]
     if raw["schedule"] is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from moepipe.errors import MoepipeError
 
 STATE_FILE = "server.json"
+SERVE_DIR = ".serve"  # `moepipe serve`'s state, beside the repository it serves
 
 
 class ServerError(MoepipeError):
@@ -34,6 +35,7 @@ class ServerState:
     restarts: int = 0  # how often the supervisor has restarted it
     max_restarts: int = 0
     models: dict[str, int] | None = None  # model instance -> backend stub pid, once ready
+    regions: list[str] | None = None  # its stubs' shared memory (removed after a kill)
 
     @property
     def http(self) -> str:

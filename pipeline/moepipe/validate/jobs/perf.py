@@ -32,6 +32,7 @@ def perf(ctx: JobContext) -> JobResult:
             good = goodput(res.samples, slo, s["seconds"])
             job.data["points"].append({"mode": mode, "load": value, "label": label,
                                        "summary": s, "goodput": good})
+            check(s["ok"] > 0, f"{label}: no request was answered ({s['requests']} sent)")
             missed = slo_violations(s, slo)
             check(not missed, f"{label}: " + "; ".join(missed))
             return {"summary": s, "goodput_requests_per_s": good}

@@ -118,36 +118,42 @@ def recovery(ctx: JobContext) -> JobResult:
             total = rc.warmup_s + rc.max_seconds + rc.after_s
             box: dict = {}
             stop = threading.Event()
+            # A daemon, stopped on any exception (a signal: validate must not wait it out).
             load = threading.Thread(target=lambda: box.setdefault("res", run_load(
                 plan(cfg, ep, prompts_for(cfg), schedule=[(total, rc.rate)],
-                     max_requests=int(rc.rate * total) + 8, duration_s=total), stop)))
+                     max_requests=int(rc.rate * total) + 8, duration_s=total), stop)),
+                daemon=True)
             started = time.monotonic()
             load.start()
-            time.sleep(rc.warmup_s)
-            killed_mono = time.monotonic()
-            killed_at = killed_mono - started
-            os.kill(victim, signal.SIGKILL)
-            ready_at = None
-            deadline = killed_at + rc.max_seconds + rc.after_s
-            # readiness can outlive a dead model process for a moment (the supervisor polls):
-            # wait until it is withdrawn, then until it is back
-            down_by = time.monotonic() + 3.0
-            while time.monotonic() < down_by and _ready(ep):
-                time.sleep(0.1)
-            while time.monotonic() - started < deadline:
-                if _ready(ep):
-                    ready_at = time.monotonic() - started
-                    break
-                time.sleep(0.2)
-            probe_ok = None  # seconds after the kill; a request of its own, sent after it
-            while ready_at is not None and time.monotonic() - started < deadline:
-                if _served(ep):
-                    probe_ok = time.monotonic() - killed_mono
-                    time.sleep(rc.after_s)  # service is back: after_s more load, then stop
-                    stop.set()
-                    break
-                time.sleep(0.2)
-            load.join()
+            try:
+                time.sleep(rc.warmup_s)
+                killed_mono = time.monotonic()
+                killed_at = killed_mono - started
+                os.kill(victim, signal.SIGKILL)
+                ready_at = None
+                deadline = killed_at + rc.max_seconds + rc.after_s
+                # readiness can outlive a dead model process for a moment (the supervisor polls):
+                # wait until it is withdrawn, then until it is back
+                down_by = time.monotonic() + 3.0
+                while time.monotonic() < down_by and _ready(ep):
+                    time.sleep(0.1)
+                while time.monotonic() - started < deadline:
+                    if _ready(ep):
+                        ready_at = time.monotonic() - started
+                        break
+                    time.sleep(0.2)
+                probe_ok = None  # seconds after the kill; a request of its own, sent after it
+                while ready_at is not None and time.monotonic() - started < deadline:
+                    if _served(ep):
+                        probe_ok = time.monotonic() - killed_mono
+                        time.sleep(rc.after_s)  # service is back: after_s more load, then stop
+                        stop.set()
+                        break
+                    time.sleep(0.2)
+                load.join()
+            except BaseException:
+                stop.set()
+                raise
             res = box["res"]
             kill_t = killed_mono - res.t0  # on the samples' clock
             after = [s for s in res.samples if s.sent >= kill_t]
