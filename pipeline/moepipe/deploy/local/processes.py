@@ -1,8 +1,9 @@
 """The processes of one deployment, found from ``/proc`` rather than trusted from a pid file.
 
 A deployment is a ``tritonserver`` started on a model repository, the Python backend stubs it
-forks (one per model instance; their command lines name the repository) and moepipe's
-supervisor (its command line names the repository too). Stubs outlive a server killed with
+forks (one per model instance; their command lines name the repository), the worker ranks of a
+rank group (``--deployment REPO``) and moepipe's supervisor (its command line names the
+repository too). Stubs outlive a server killed with
 SIGKILL (they are re-parented to PID 1) and a lost ``server.json`` loses nothing that ``/proc``
 does not still say, so stop, status and the next deploy look here.
 """
@@ -18,13 +19,14 @@ from pathlib import Path
 SERVER_NAME = "tritonserver"
 STUB_NAME = "triton_python_backend_stub"
 SUPERVISOR_MODULE = "moepipe.deploy.local.supervisor"
+RANK_MODULE = "moepipe.ranks.worker"  # its MODULE (not imported here: it loads torch)
 
 
 @dataclass(frozen=True)
 class Proc:
     pid: int
     pgid: int
-    kind: str  # "server" | "stub" | "supervisor"
+    kind: str  # "server" | "stub" | "rank" | "supervisor"
     argv: tuple[str, ...]
 
     @property
@@ -55,14 +57,17 @@ def _read(pid: int) -> Proc | None:
         kind = "stub"
     elif SUPERVISOR_MODULE in argv:
         kind = "supervisor"
+    elif RANK_MODULE in argv:
+        kind = "rank"
     else:
         return None
     return Proc(pid, int(fields[2]), kind, argv)
 
 
 def deployment_processes(repository: str | Path, pgid: int | None = None) -> list[Proc]:
-    """Every live server, stub and supervisor of the deployment serving ``repository`` (and
-    of the process group ``pgid``, the recorded server's), ours or not yet reaped."""
+    """Every live server, stub, worker rank and supervisor of the deployment serving
+    ``repository`` (and of the process group ``pgid``, the recorded server's), ours or not yet
+    reaped."""
     repo = str(repository).rstrip("/")
     found = []
     for entry in os.listdir("/proc"):
@@ -75,7 +80,7 @@ def deployment_processes(repository: str | Path, pgid: int | None = None) -> lis
                    for a in proc.argv)
         if mine or (pgid is not None and proc.pgid == pgid and proc.kind != "supervisor"):
             found.append(proc)
-    return sorted(found, key=lambda p: ("supervisor", "server", "stub").index(p.kind))
+    return sorted(found, key=lambda p: ("supervisor", "server", "stub", "rank").index(p.kind))
 
 
 def alive(pid: int) -> bool:

@@ -15,6 +15,7 @@ from moepipe import __version__
 from moepipe.arch.hf import tokenizer_files
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster.operate import render_operations
+from moepipe.deploy.local.ranks import MANIFEST
 from moepipe.deploy.render import loadtest
 from moepipe.deploy.render.fallback import bls_values, render_fallback
 from moepipe.deploy.render.targets import TARGETS, Artifacts
@@ -22,8 +23,6 @@ from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, flag
 from moepipe.deploy.render.templates import check_repository, render_tree, templates_root
 from moepipe.errors import MoepipeError
 from moepipe.utils.fs import atomic_dir
-
-MANIFEST = "moepipe-deploy.json"
 
 
 def common_values(cfg: MoepipeConfig, tokenizer_dir: Path, vocab_size: int) -> dict[str, str]:

@@ -9,9 +9,16 @@ engine thread runs in-flight batching; responses are built and sent, and cancell
 on the outbox thread. Expert routing is exported as Prometheus counters
 ``moepipe_expert_tokens_total{model,layer,expert}``; latency, TTFT and queue-time histograms
 and occupancy gauges by ``moepipe.serving.metrics``.
+
+World size > 1: this model is rank 0 of a rank group (``moepipe.ranks.leader``), loading only
+``rank0.safetensors``; ``initialize`` returns once the workers have joined. A lost rank ends
+every request in flight with UNAVAILABLE, refuses new ones and withdraws readiness
+(``is_ready``) until the next group is formed; per-rank step timings are exported by
+``moepipe.serving.rank_metrics``.
 """
 
 import json
+import os
 import queue
 import sys
 import threading
@@ -21,6 +28,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from moepipe.ranks.errors import RANK_GROUP_LOST, RankGroupLost
 from moepipe.runtime.checkpoint import load_checkpoint
 from moepipe.runtime.model import ReferenceModel
 from moepipe.runtime.sampling import SamplingParams
@@ -52,7 +60,27 @@ class TritonPythonModel:
         self.exclude_input = params.get("exclude_input_in_output", "false").lower() == "true"
         outputs = {o["name"]: o["data_type"] for o in cfg["output"]}
         self.logits_dtype = LOGITS_DTYPES[outputs["context_logits"]]
-        model = ReferenceModel(load_checkpoint(params["checkpoint_dir"]))
+        self.leader = self.rank_metrics = None
+        world_size = int(params.get("world_size") or 1)
+        if world_size > 1:
+            from moepipe.ranks.leader import GroupSettings, Leader
+            from moepipe.serving.rank_metrics import RankMetrics
+
+            self.leader = Leader(
+                params["checkpoint_dir"],
+                GroupSettings(world_size,
+                              os.environ.get("MOEPIPE_RANK_LISTEN") or params["rank_listen"],
+                              float(params["collective_timeout_s"]),
+                              float(params["rank_form_timeout_s"])),
+                max_batch_size=int(cfg["max_batch_size"]),
+                max_seq_len=int(params["max_seq_len"]),
+                threads=int(params.get("cpu_threads") or 1))
+            self.leader.form()  # every worker has joined: ready means the group serves
+            model = self.leader.model
+            self.rank_metrics = RankMetrics(pb_utils, self.name, self.leader)
+            self.leader.on_health = lambda up, why: self.outbox.put(self.rank_metrics.publish)
+        else:
+            model = ReferenceModel(load_checkpoint(params["checkpoint_dir"]))
         self.family = pb_utils.MetricFamily(
             name="moepipe_expert_tokens_total",
             description="Tokens routed to each expert of each MoE layer",
@@ -60,7 +88,7 @@ class TritonPythonModel:
         self.expert_metrics = [[self.family.Metric(labels={"model": self.name, "layer": str(li),
                                                            "expert": str(e)})
                                 for e in range(model.num_experts)]
-                               for li in range(len(model.layers))]
+                               for li in range(model.ckpt.num_layers)]
         self.tokens_family = pb_utils.MetricFamily(
             name="moepipe_generated_tokens_total", description="Tokens generated",
             kind=pb_utils.MetricFamily.COUNTER)
@@ -80,7 +108,8 @@ class TritonPythonModel:
                              max_input_len=int(params["max_input_len"]), on_step=self._on_step,
                              max_queue_size=int(params.get("max_queue_size") or 0),
                              queue_timeout_s=int(params.get("queue_timeout_microseconds")
-                                                 or 0) / 1e6)
+                                                 or 0) / 1e6,
+                             health=self.leader)
         self.outbox = _Outbox()
         # request id -> the generation requests it runs (a `stop` request names them)
         self.live: dict[str, list[GenerationRequest]] = {}
@@ -102,6 +131,8 @@ class TritonPythonModel:
         self.outbox.put(self._publish_counts, delta, tokens, self.engine.active)
         self.outbox.put(self.serving_metrics.publish, self.engine.load())
         self.outbox.put(self.trtllm_metrics.publish, iteration_values(self.engine))
+        if self.rank_metrics is not None:
+            self.outbox.put(self.rank_metrics.publish)
 
     def _publish_counts(self, delta, tokens, active):
         for li, row in enumerate(delta):
@@ -121,9 +152,17 @@ class TritonPythonModel:
                 self._submit(request, sender)
             except (RequestError, ValueError) as e:
                 self._refuse(sender, str(e), pb_utils.TritonError.INVALID_ARG)
-            except Busy as e:  # Triton's queue-full answer: UNAVAILABLE (HTTP 503)
+            except (Busy, RankGroupLost) as e:  # queue full, or the rank group is down:
+                # Triton's UNAVAILABLE (HTTP 503)
                 self._refuse(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
         return None
+
+    def is_ready(self):
+        """Model readiness, asked by Triton's readiness endpoints where the Python backend
+        supports it (python_backend r26.03+ ``src/python_be.cc``; Triton core r26.04+
+        ``src/server.cc`` counts it in ``/v2/health/ready``): False while the rank group is
+        lost or forming."""
+        return self.leader is None or self.leader.ready
 
     def _refuse(self, sender, message, code):
         # Sent on the outbox thread like every response: sent from here, the FINAL response
@@ -156,7 +195,7 @@ class TritonPythonModel:
                 self.live.setdefault(request_id, []).extend(reqs)
         try:
             e.submit_all(reqs)
-        except Busy:
+        except (Busy, RankGroupLost):
             self._forget(request_id, reqs)
             raise
 
@@ -237,6 +276,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine.stop()
+        if self.leader is not None:
+            self.leader.close()  # the workers stop
         self.outbox.stop()
         e = self.engine
         pb_utils.Logger.log_info(
@@ -245,6 +286,8 @@ class TritonPythonModel:
             f"{e.stats['forward_s']:.2f}s in forward")
         self.serving_metrics.close()
         self.trtllm_metrics.close()
+        if self.rank_metrics is not None:
+            self.rank_metrics.close()
         del self.expert_metrics, self.tokens_metric, self.running_metric
 
 
@@ -287,7 +330,8 @@ class _Group:
                          flags=self._flags(final, req))
 
     def fail(self, message, req):
-        code = (pb_utils.TritonError.UNAVAILABLE if message.startswith(QUEUE_TIMEOUT)
+        code = (pb_utils.TritonError.UNAVAILABLE
+                if message.startswith((QUEUE_TIMEOUT, RANK_GROUP_LOST))
                 else pb_utils.TritonError.INTERNAL)
         self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
                          flags=self._flags(True, req))
