@@ -392,7 +392,8 @@ class DeploySection(Section):
     rank_port: int = Field(8003, ge=1, le=65535, description="cpu target, world size > 1: the "
                                                              "port rank 0 (in the server) "
                                                              "listens on for the other ranks.")
-    collective_timeout_s: float = Field(60.0, gt=0, le=DAY_S, description="cpu target, world size > 1: "
+    collective_timeout_s: float = Field(60.0, gt=0, le=DAY_S,
+                                        description="cpu target, world size > 1: "
                                         "a collective of a step that takes longer fails the "
                                         "rank group (a lost rank is noticed at once anyway).")
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for "
@@ -553,8 +554,11 @@ class BalanceSection(Section):
 
 
 class RecoverySection(Section):
-    kill: list[Literal["server", "backend"]] = Field(
-        ["server", "backend"], description="What is killed (SIGKILL), in turn.")
+    kill: list[Literal["rank", "server", "backend"]] = Field(
+        ["rank", "server", "backend"], description="What is killed (SIGKILL), in turn: a "
+                                                   "worker rank (world size > 1; skipped "
+                                                   "otherwise), the server, the tensorrt_llm "
+                                                   "backend process.")
     rate: float = Field(2.0, gt=0, le=MAX_RATE, description="Requests/s during the job.")
     warmup_s: float = Field(3.0, gt=0, le=DAY_S, description="Load before the kill.")
     after_s: float = Field(3.0, ge=0, le=DAY_S, description="Load after the deadline.")

@@ -147,3 +147,62 @@ def test_stop_leaves_no_rank_behind_even_during_a_rank_group_restart(group):
     lifecycle.stop(state_dir(cfg), repository_dir(cfg), grace=20)
     assert not processes.deployment_processes(repository_dir(cfg))
     assert not _ranks_left(cfg)
+
+
+@pytest.fixture(scope="module")
+def decoupled_group(tmp_path_factory):
+    """The same group served decoupled (streaming, what the load jobs drive)."""
+    root = tmp_path_factory.mktemp("decoupled-group")
+    cfg = make_config(root, deploy={"max_restarts": 3},
+                      validate={"max_tokens": 8,
+                                "perf": {"concurrency": [2], "rates": [], "requests": 16,
+                                         "duration_s": 20},
+                                "recovery": {"kill": ["rank"], "rate": 4, "warmup_s": 1.5,
+                                             "after_s": 1.0, "max_seconds": 30}})
+    run_build(root / "moepipe.yaml", echo=lambda s: None)
+    run_deploy(cfg, echo=lambda s: None)
+    try:
+        yield cfg
+    finally:
+        if (state_dir(cfg) / "server.json").is_file():
+            lifecycle.stop(state_dir(cfg), repository_dir(cfg), grace=20)
+        processes.kill_all(processes.deployment_processes(repository_dir(cfg)))
+
+
+def test_perf_reports_the_communication_share_and_the_wait_for_the_slowest_rank(
+        decoupled_group):
+    from moepipe.commands.validate import endpoint_for, run_validate
+
+    cfg = decoupled_group
+    ep = endpoint_for(cfg, None, None)
+    report, _ = run_validate(cfg, ep.http, ep.grpc, jobs=["perf"], echo=lambda s: None)
+    point = report.jobs[0].data["points"][0]
+    ranks = point["ranks"]
+    assert ranks["world_size"] == 2 and set(ranks["ranks"]) == {"0", "1"}
+    assert 0 < ranks["communication_share"] < 1
+    assert ranks["wait_for_slowest_ms"] >= 0
+    for r in ranks["ranks"].values():
+        assert {"compute", "all_reduce", "all_gather"} <= set(r["by_op_ms"]), r
+    print(f"\nperf, concurrency 2: communication share {ranks['communication_share']:.0%}, "
+          f"wait for the slowest rank {ranks['wait_for_slowest_ms']} ms per step")
+
+
+def test_the_recovery_job_kills_a_worker_rank_and_times_the_first_correct_answer(
+        decoupled_group):
+    from moepipe.commands.validate import endpoint_for, run_validate
+
+    cfg = decoupled_group
+    ep = endpoint_for(cfg, None, None)
+    before = _state(cfg)
+    report, _ = run_validate(cfg, ep.http, ep.grpc, jobs=["recovery"], echo=lambda s: None)
+    job = report.jobs[0]
+    assert report.passed, job.to_dict() if hasattr(job, "to_dict") else job
+    run = job.data["runs"][0]
+    assert run["kill"] == "rank" and run["pid"] == before["ranks"]["1"]
+    assert run["readiness_withdrawn_after_s"] is not None  # the group's readiness fell
+    assert run["time_to_first_correct_s"] is not None
+    assert _state(cfg)["pid"] == before["pid"]  # the server kept running
+    print(f"\nrecovery job (worker rank killed): readiness withdrawn after "
+          f"{run['readiness_withdrawn_after_s']}s, ready after {run['time_to_ready_s']}s, "
+          f"first correct answer after {run['time_to_first_correct_s']}s, "
+          f"{run['requests_lost']} of {run['requests']} requests lost")

@@ -87,3 +87,35 @@ def test_the_rank_port_is_a_port_of_its_own():
     data = {"model": {"example": "tiny-mixtral"}, "deploy": {"rank_port": 8001}}
     with pytest.raises(Exception, match="rank_port must differ"):
         parse_config(data, "moepipe.yaml", json.dumps(data))
+
+
+METRICS = """# TYPE moepipe_rank_step_seconds histogram
+moepipe_rank_step_seconds_sum{model="tensorrt_llm",op="compute",rank="0"} 1.0
+moepipe_rank_step_seconds_count{model="tensorrt_llm",op="compute",rank="0"} 10
+moepipe_rank_step_seconds_sum{model="tensorrt_llm",op="all_reduce",rank="0"} 1.5
+moepipe_rank_step_seconds_count{model="tensorrt_llm",op="all_reduce",rank="0"} 10
+moepipe_rank_step_seconds_sum{model="tensorrt_llm",op="compute",rank="1"} 2.0
+moepipe_rank_step_seconds_count{model="tensorrt_llm",op="compute",rank="1"} 10
+moepipe_rank_step_seconds_sum{model="tensorrt_llm",op="all_reduce",rank="1"} 0.5
+moepipe_rank_step_seconds_count{model="tensorrt_llm",op="all_reduce",rank="1"} 10
+moepipe_rank_wait_seconds_sum{model="tensorrt_llm",rank="0"} 1.0
+moepipe_rank_wait_seconds_sum{model="tensorrt_llm",rank="1"} 0.0
+moepipe_rank_group_up{model="tensorrt_llm"} 1
+"""
+
+
+def test_the_perf_report_reads_the_rank_metrics():
+    """Communication share and the wait for the slowest rank between two scrapes."""
+    from moepipe.deploy.metric_names import rank_series
+    from moepipe.validate.rank_figures import share
+
+    after = rank_series(METRICS)
+    assert after[("up", -1, "")] == 1 and after[("step_sum", 1, "compute")] == 2.0
+    got = share({}, after)
+    assert got is not None
+    assert got["communication_share"] == 0.4  # (1.5 + 0.5) / 5
+    assert got["ranks"]["0"]["communication_share"] == 0.6
+    assert got["ranks"]["0"]["wait_ms"] == 100.0 and got["wait_for_slowest_ms"] == 100.0
+    assert got["step_ms"] == 250.0
+    assert share(after, after) is None  # no step in between
+    assert share({}, rank_series("")) is None  # a single process: no figures
