@@ -205,7 +205,7 @@ class Leader:
             return None, 0, None
         world = self.settings.world_size
         why = None
-        if int(hello.get("world_size", -1)) != world:
+        if int(hello.get("world_size", world)) != world:
             why = f"its checkpoint has world size {hello.get('world_size')}, the group {world}"
         elif not 1 <= rank < world:
             why = f"rank {rank} is not a worker rank of world size {world} (1..{world - 1})"

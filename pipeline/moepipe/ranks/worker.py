@@ -1,8 +1,9 @@
 """A worker rank's process: ``python -m moepipe.ranks.worker --leader HOST:PORT --rank R
---checkpoint DIR``.
+[--checkpoint DIR]``.
 
-It loads only ``rank{R}.safetensors``, connects to the leader (retrying while the leader is not
-listening yet), says hello, gets the group's settings, joins the gloo process group, and then
+It loads only ``rank{R}.safetensors`` (of ``DIR``, or of the checkpoint the leader names),
+connects to the leader (retrying while the leader is not listening yet), says hello, gets the
+group's settings, joins the gloo process group, and then
 runs every step the leader sends until the leader stops or dissolves the group, or a
 collective fails: it exits then (0 when told to, 1 otherwise) and whoever started it (the
 deployment's supervisor, a LeaderWorkerSet worker's loop) starts it again for the next
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,10 @@ from moepipe.ranks.channel import HEARTBEAT_S, Channel, ChannelClosed, Kind
 from moepipe.ranks.errors import RankGroupLost
 from moepipe.ranks.steps import Op, Step
 from moepipe.ranks.timings import StepTiming
+
+if TYPE_CHECKING:
+    from moepipe.runtime.checkpoint import TrtllmCheckpoint
+    from moepipe.runtime.model import ReferenceModel
 
 log = logging.getLogger("moepipe.worker")
 MODULE = "moepipe.ranks.worker"  # how the deployment's processes are recognised on /proc
@@ -61,18 +67,24 @@ def _beat(ch: Channel) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     from moepipe.runtime.checkpoint import load_checkpoint
-    from moepipe.runtime.model import KVCache, ReferenceModel
+    from moepipe.runtime.model import KVCache
 
     started = time.monotonic()
-    ckpt = load_checkpoint(args.checkpoint, ranks=[args.rank])
-    world = ckpt.mapping.world_size
-    comm = gloo.GlooComm(args.rank, ckpt.mapping)
-    model = ReferenceModel(ckpt, comm=comm)
-    loaded = time.monotonic() - started
+    # with --checkpoint the rank file is loaded before the leader is reached (a restart
+    # overlaps the leader's wait); without, from the path the leader sends
+    ckpt = load_checkpoint(args.checkpoint, ranks=[args.rank]) if args.checkpoint else None
     ch = connect(args.leader, args.connect_timeout)
-    ch.send_json(Kind.HELLO, {"rank": args.rank, "pid": os.getpid(), "world_size": world,
-                              "host": socket.gethostname()})
+    ch.send_json(Kind.HELLO, {"rank": args.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                              **({"world_size": ckpt.mapping.world_size} if ckpt else {})})
     setup = ch.recv_json(Kind.SETUP)
+    if ckpt is None:
+        ckpt = load_checkpoint(setup["checkpoint"], ranks=[args.rank])
+    world = ckpt.mapping.world_size
+    if world != int(setup["world_size"]):
+        raise RankGroupLost(f"the checkpoint's world size is {world}, the group's "
+                            f"{setup['world_size']}")
+    model, comm = _model(ckpt, args.rank)
+    loaded = time.monotonic() - started
     torch.set_num_threads(int(setup["threads"]))
     cache = KVCache(model, int(setup["max_batch_size"]), int(setup["max_seq_len"]))
     threading.Thread(target=_beat, args=(ch,), name="moepipe-heartbeat", daemon=True).start()
@@ -108,8 +120,18 @@ def serve(args: argparse.Namespace) -> int:
         if step.op == Op.STOP:
             log.info("rank %d: stopped by the leader", args.rank)
             return 0
+        if step.batch is None:
+            continue
         comm.step = step.number - 1  # begin_step counts it
-        model.run(step.batch, cache, step.all_logits)  # type: ignore[arg-type]
+        model.run(step.batch, cache, step.all_logits)
+
+
+def _model(ckpt: TrtllmCheckpoint, rank: int) -> tuple[ReferenceModel, gloo.GlooComm]:
+    """The rank-local model and its collectives."""
+    from moepipe.runtime.model import ReferenceModel
+
+    comm = gloo.GlooComm(rank, ckpt.mapping)
+    return ReferenceModel(ckpt, comm=comm), comm
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
                                 description="A worker rank of a moepipe rank group.")
     p.add_argument("--leader", required=True, help="host:port of rank 0 (the leader)")
     p.add_argument("--rank", type=int, required=True, help="this process's rank (>= 1)")
-    p.add_argument("--checkpoint", type=Path, required=True,
-                   help="the TensorRT-LLM checkpoint folder (rank{R}.safetensors is loaded)")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="the TensorRT-LLM checkpoint folder (rank{R}.safetensors is loaded); "
+                        "default: the one the leader names")
     p.add_argument("--connect-timeout", type=float, default=300.0,
                    help="seconds to keep trying to reach the leader")
     p.add_argument("--deployment", default=None,

@@ -50,9 +50,10 @@ def memory_estimate_mib(cfg: MoepipeConfig, art, nodes: int) -> int:
     """Host memory one pod needs: what it loads, with headroom.
 
     cpu: the checkpoint's weights held by torch (up-cast to float32 at most: x2 over 16-bit
-    files) plus its KV cache (max_batch_size x max_seq_len tokens, float32) plus 2 GiB for
-    Triton and the Python models. GPU targets: the node's share of the engine (or checkpoint)
-    files, which pass through host memory while loading, plus 8 GiB."""
+    files) plus its KV cache (max_batch_size x max_seq_len tokens, float32), a rank's share of
+    both in a rank group of ``nodes`` pods, plus 2 GiB for Triton and the Python models. GPU
+    targets: the node's share of the engine (or checkpoint) files, which pass through host
+    memory while loading, plus 8 GiB."""
     if cfg.target == "cpu":
         weights = _bytes_under(art.checkpoint_dir, "rank*.safetensors")
         conf = {}
@@ -63,7 +64,7 @@ def memory_estimate_mib(cfg: MoepipeConfig, art, nodes: int) -> int:
         head = int(conf.get("head_size") or (conf.get("hidden_size", 0)
                                                // max(1, conf.get("num_attention_heads", 1))))
         kv = 2 * layers * kv_heads * head * 4 * cfg.build.max_batch_size * cfg.build.max_seq_len
-        need = 2 * weights + kv + 2048 * MIB
+        need = (2 * weights + kv) // nodes + 2048 * MIB  # a rank group: one rank per pod
     else:
         files = (_bytes_under(art.engine_dir, "*.engine")
                  or _bytes_under(art.checkpoint_dir, "*.safetensors")
@@ -93,7 +94,7 @@ def plan(cfg: MoepipeConfig, art) -> tuple[k8s.PodPlan, k8s.Shape]:
         ports={"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port},
         gpus=shape.gpus_per_pod, cpu=f"{kc.cpus:g}", memory_mib=memory,
         shm_mib=k8s.shm_mib(python_instances(cfg)), volume_claim=kc.volume_claim,
-        startup_s=startup, exit_timeout_s=d.exit_timeout_s), shape
+        startup_s=startup, exit_timeout_s=d.exit_timeout_s, rank_port=d.rank_port), shape
 
 
 def render_operations(cfg: MoepipeConfig, art, out: Path) -> list[Path]:
