@@ -5,6 +5,7 @@ group's readiness, the supervisor starts the rank group again and service return
 answers; ``moepipe stop`` leaves no rank behind, also in the middle of such a restart. Times are
 printed, not asserted (the recovery job and the benchmark measure them)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -77,11 +78,10 @@ def _ranks_left(cfg):
     return [p for p in processes.deployment_processes(repository_dir(cfg)) if p.kind == "rank"]
 
 
-@pytest.fixture
-def group(tmp_path):
-    # unary (not decoupled): a gRPC error carries its status code
-    cfg = make_config(tmp_path, deploy={"max_restarts": 3, "decoupled": False})
-    run_build(tmp_path / "moepipe.yaml", echo=lambda s: None)
+@contextlib.contextmanager
+def _deployed(cfg, root):
+    """``cfg`` built and deployed (supervised); everything of it gone at the end."""
+    run_build(root / "moepipe.yaml", echo=lambda s: None)
     run_deploy(cfg, echo=lambda s: None)
     try:
         yield cfg
@@ -89,6 +89,14 @@ def group(tmp_path):
         if (state_dir(cfg) / "server.json").is_file():
             lifecycle.stop(state_dir(cfg), repository_dir(cfg), grace=20)
         processes.kill_all(processes.deployment_processes(repository_dir(cfg)))
+
+
+@pytest.fixture
+def group(tmp_path):
+    # unary (not decoupled): a gRPC error carries its status code
+    with _deployed(make_config(tmp_path, deploy={"max_restarts": 3, "decoupled": False}),
+                   tmp_path) as cfg:
+        yield cfg
 
 
 def test_a_killed_worker_rank_ends_requests_with_unavailable_and_service_returns(group):
@@ -159,14 +167,8 @@ def decoupled_group(tmp_path_factory):
                                          "duration_s": 20},
                                 "recovery": {"kill": ["rank"], "rate": 4, "warmup_s": 1.5,
                                              "after_s": 1.0, "max_seconds": 30}})
-    run_build(root / "moepipe.yaml", echo=lambda s: None)
-    run_deploy(cfg, echo=lambda s: None)
-    try:
+    with _deployed(cfg, root):
         yield cfg
-    finally:
-        if (state_dir(cfg) / "server.json").is_file():
-            lifecycle.stop(state_dir(cfg), repository_dir(cfg), grace=20)
-        processes.kill_all(processes.deployment_processes(repository_dir(cfg)))
 
 
 def test_perf_reports_the_communication_share_and_the_wait_for_the_slowest_rank(
