@@ -84,7 +84,8 @@ def write_model(out: Path) -> Path:
     model = MixtralForCausalLM(MixtralConfig(vocab_size=vocab, **MODEL)).float()
     model.save_pretrained(out, safe_serialization=True)
     for path in tokenizer_files(tiny):
-        shutil.copy2(path, out / path.name)
+        if path.name not in ("config.json", "generation_config.json"):  # the model's own
+            shutil.copy2(path, out / path.name)
     return out
 
 
