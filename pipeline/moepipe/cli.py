@@ -428,8 +428,13 @@ def status(config: Path | None = ConfigOpt,
     elif info["running"]:
         sup = f"  supervised (restarts {info['restarts']}/{info['max_restarts']})" \
             if info.get("supervised") else ""
+        ranks = f"  ranks {len(info['ranks']) + 1}" if info.get("ranks") else ""
         typer.echo(f"running  pid {info['pid']}  http {info['http']}  grpc {info['grpc']}  "
-                   f"metrics {info['metrics']}{sup}")
+                   f"metrics {info['metrics']}{ranks}{sup}")
+    elif info.get("dead_ranks"):
+        typer.echo(f"not serving: worker {info['dead_ranks'][0]} of the rank group is gone "
+                   f"(tritonserver pid {info['pid']} is up; the supervisor starts the group "
+                   "again)")
     elif info.get("dead_models"):
         typer.echo(f"not serving: the backend process of {info['dead_models'][0]} died "
                    f"(tritonserver pid {info['pid']} is still up)")

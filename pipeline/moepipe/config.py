@@ -390,6 +390,13 @@ class DeploySection(Section):
     http_port: int = Field(8000, ge=1, le=65535, description="Triton HTTP port.")
     grpc_port: int = Field(8001, ge=1, le=65535, description="Triton gRPC port.")
     metrics_port: int = Field(8002, ge=1, le=65535, description="Prometheus metrics port.")
+    rank_port: int = Field(8003, ge=1, le=65535, description="cpu target, world size > 1: the "
+                                                             "port rank 0 (in the server) "
+                                                             "listens on for the other ranks.")
+    collective_timeout_s: float = Field(60.0, gt=0, le=DAY_S,
+                                        description="cpu target, world size > 1: "
+                                        "a collective of a step that takes longer fails the "
+                                        "rank group (a lost rank is noticed at once anyway).")
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for "
                                               "streaming; gRPC clients then use the stream API).")
     exclude_input_in_output: bool = Field(False, description="Default of the request input of "
@@ -426,8 +433,8 @@ class DeploySection(Section):
                                 description="Grace period for in-flight requests.")
     max_restarts: int = Field(3, ge=0, le=1000,
                               description="cpu target: times the supervisor restarts a server "
-                                          "whose process or a model process died (0: only stop "
-                                          "it).")
+                                          "whose process or a model process died, or a rank "
+                                          "group that lost a rank (0: only stop it).")
     tritonserver: Path | None = Field(None, description="tritonserver binary (default: PATH, "
                                                         "else the one in nvidia-pytriton).")
     trtllm: TrtllmDeploySection = Field(default_factory=TrtllmDeploySection,
@@ -443,9 +450,10 @@ class DeploySection(Section):
 
     @model_validator(mode="after")
     def _distinct_ports(self):
-        ports = [self.http_port, self.grpc_port, self.metrics_port]
-        if len(set(ports)) != 3:
-            raise ValueError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
+        ports = [self.http_port, self.grpc_port, self.metrics_port, self.rank_port]
+        if len(set(ports)) != 4:
+            raise ValueError(f"http_port, grpc_port, metrics_port and rank_port must differ, "
+                             f"got {ports}")
         return self
 
     def check_machine(self, cores: int) -> None:
@@ -553,9 +561,10 @@ class BalanceSection(Section):
 
 
 class RecoverySection(Section):
-    kill: list[Literal["server", "backend"]] = Field(
-        ["server", "backend"], min_length=1,
-        description="What is killed (SIGKILL), in turn.")
+    kill: list[Literal["rank", "server", "backend"]] = Field(
+        ["rank", "server", "backend"], min_length=1,
+        description="What is killed (SIGKILL), in turn: a worker rank (world size > 1; "
+                    "skipped otherwise), the server, the tensorrt_llm backend process.")
     rate: float = Field(2.0, gt=0, le=MAX_RATE, description="Requests/s during the job.")
     warmup_s: float = Field(3.0, gt=0, le=DAY_S, description="Load before the kill.")
     after_s: float = Field(3.0, ge=0, le=DAY_S, description="Load after the deadline.")

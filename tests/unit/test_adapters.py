@@ -292,3 +292,14 @@ def test_beams_each_target_refuses(adapter, beam, streaming, message):
     error = _error(adapter, **_inputs([PROMPT], 2, beam_width=np.int32(beam),
                                       streaming=streaming))
     assert (error.message, error.code) == (message, "INVALID_ARG")
+
+
+def test_a_lost_rank_group_is_a_retry_later_answer_of_the_serving_core():
+    """The serving core imports nothing of moepipe, so it carries the rank group's text
+    itself: a generation ended by a lost rank is answered UNAVAILABLE, like a busy refusal."""
+    from moepipe.ranks.errors import RANK_GROUP_LOST, RankGroupLost
+    from moepipe.serving.core import errors
+
+    assert errors.RANK_GROUP_LOST == RANK_GROUP_LOST
+    assert errors.is_busy(str(RankGroupLost("rank 1 exited")))
+    assert errors.triton_code(RankGroupLost("rank 1 exited")) == "UNAVAILABLE"

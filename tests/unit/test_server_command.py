@@ -29,8 +29,9 @@ def make_cfg(tmp_path: Path, target: str, **parallel):
 
 
 def pod_args(tmp_path: Path, target: str) -> list[str]:
-    """The flags of the serving container of the rendered Deployment."""
-    cfg = make_cfg(tmp_path, target)
+    """The flags of the serving container of the rendered Deployment (world size 1 on a CPU
+    target: more is a rank group, one pod per rank)."""
+    cfg = make_cfg(tmp_path, target, **({} if TARGETS[target].gpu else {"tp": 1}))
     out = tmp_path / "deploy"
     out.mkdir(parents=True)
     render_operations(cfg, out)
@@ -38,6 +39,18 @@ def pod_args(tmp_path: Path, target: str) -> list[str]:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     shell, flag, script, name, *args = container["command"]
     return args
+
+
+def rank_group_leader(tmp_path: Path, target: str) -> list[str]:
+    """The flags the leader pod of a CPU rank group (leader.sh) starts its server with."""
+    cfg = make_cfg(tmp_path, target, tp=2)
+    out = tmp_path / "deploy"
+    out.mkdir(parents=True)
+    render_operations(cfg, out)
+    (cm,) = yaml.safe_load_all((out / "k8s" / "launch-configmap.yaml").read_text())
+    (line,) = [x for x in cm["data"]["leader.sh"].splitlines()
+               if x.startswith("exec tritonserver ")]
+    return shlex.split(line)[2:]
 
 
 def leader_ranks(tmp_path: Path) -> list[list[str]]:
@@ -99,7 +112,9 @@ def commands(tmp_path: Path, monkeypatch, target: str) -> dict[str, tuple[list[s
     out = {"pod": (pod_args(tmp_path / "pod", target), t.gpu)}
     if not t.gpu:  # `moepipe deploy` starts it here
         out["local"] = (local_args(tmp_path / "local", monkeypatch), False)
-    if t.multi_node:
+    if t.multi_node and not t.mpi_ranks:
+        out["rank group leader"] = (rank_group_leader(tmp_path / "group", target), t.gpu)
+    if t.multi_node and t.mpi_ranks:
         ranks = leader_ranks(tmp_path / "leader")
         out["leader rank 0"] = (ranks[0][3:], True)  # after -n 1 tritonserver
     if t.gpu and not t.mpi_ranks:  # the command `moepipe deploy` prints

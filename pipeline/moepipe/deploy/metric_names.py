@@ -82,7 +82,10 @@ MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
                "moepipe_queued_requests", "moepipe_kv_slots_used", "moepipe_kv_slots_total",
                "moepipe_kv_tokens_used",
                # the BLS model with deploy.fallback (tensorrt_llm_bls/1/overload.py)
-               "moepipe_fallback_requests_total", "moepipe_circuit_state"}
+               "moepipe_fallback_requests_total", "moepipe_circuit_state",
+               # a rank group (world size > 1; moepipe.serving.rank_metrics)
+               *_histogram("moepipe_rank_step_seconds"), *_histogram("moepipe_rank_wait_seconds"),
+               "moepipe_rank_group_up", "moepipe_rank_group_losses_total"}
 CPU_TRTLLM_FAMILIES = ("nv_trt_llm_request_metrics", "nv_trt_llm_kv_cache_block_metrics")
 
 # The groups a target declares it exports (moepipe.targets: Target.metrics).
@@ -166,3 +169,27 @@ def _index(label: str | None, what: str, limit: int, where: str, line: int) -> i
         raise ConfigError(f"{where}:{line}: {what} label {shown} is not an index in "
                           f"0..{limit - 1}", "is this a moepipe deployment's metrics?")
     return int(label)
+
+
+_RANK_SAMPLE = re.compile(r"^(moepipe_rank_(?:step|wait)_seconds_(?:sum|count)|"
+                          r"moepipe_rank_group_up)\{([^}]*)\}\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def rank_series(text: str) -> dict[tuple[str, int, str], float]:
+    """A rank group's figures from Prometheus text (``moepipe.serving.rank_metrics``):
+    (series, rank, op) -> value, series being ``step_sum``, ``step_count``, ``wait_sum``,
+    ``wait_count`` (op ``""``) or ``up`` (rank -1, op ``""``); summed over models. Empty for a
+    deployment without a rank group."""
+    out: dict[tuple[str, int, str], float] = {}
+    for name, labels, value in _RANK_SAMPLE.findall(text):
+        kv = dict(_LABEL.findall(labels))
+        if name == "moepipe_rank_group_up":
+            key = ("up", -1, "")
+        else:
+            kind = name.removeprefix("moepipe_rank_").replace("_seconds", "")
+            try:
+                key = (kind, int(kv["rank"]), kv.get("op", ""))
+            except (KeyError, ValueError):
+                continue
+        out[key] = out.get(key, 0.0) + float(value)
+    return out

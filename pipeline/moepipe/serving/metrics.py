@@ -106,7 +106,7 @@ class EngineCounters:
         self.experts = [[experts.Metric(labels={"model": model_name, "layer": str(layer),
                                                 "expert": str(e)})
                          for e in range(model.num_experts)]
-                        for layer in range(len(model.layers))]
+                        for layer in range(model.ckpt.num_layers)]  # a stage: all layers
         self.tokens = tokens.Metric(labels={"model": model_name})
         self.running = running.Metric(labels={"model": model_name})
         self._last = model.expert_tokens.clone()

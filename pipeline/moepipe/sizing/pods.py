@@ -5,10 +5,10 @@
 ============== ==============================================================================
 target         host memory of one pod
 ============== ==============================================================================
-CPU (cpu)      every rank's weights as the reference runtime holds them (float32; replicated
-               tensors once per rank, as the converter writes them) x 1.25, the KV cache of
-               every rank (max_batch_size x max_seq_len tokens, float32; MLA: one latent per
-               token and layer), plus 2 GiB for Triton and the Python models
+CPU (cpu)      one rank's weights as the reference runtime holds them (float32) x 1.25 and its
+               KV cache (max_batch_size x max_seq_len tokens, float32; MLA: one latent per
+               token and layer), plus 2 GiB for Triton and the Python models: world size > 1
+               runs one rank process per pod (the largest rank's figure)
 GPU targets    the pod's share of the weights in the built format, as the target's artifact
                lays them out (each rank's file passes through host memory while the engine or
                model loads), plus 8 GiB
@@ -36,13 +36,16 @@ def pod_memory_bytes(model: ModelShape, s: Sharding, target: str, *, fmt: str = 
                      max_seq_len: int = 1) -> int:
     """Host bytes one pod of a deployment needs (see the module's table)."""
     served = get_target(target)
-    if not served.gpu:  # moepipe's runtime holds every rank in float32
-        weights = sum(s.tp * stage_weight_bytes(model, s, st, "none", "float32")
-                      for st in range(s.pp))
-        kv = sum(s.tp * kv_bytes_per_token(model, s, len(stage_layers(model.num_layers, s.pp,
-                                                                         st)), 4)
-                 for st in range(s.pp)) * max_batch_size * max_seq_len
-        return math.ceil(weights * CPU_HEADROOM) + kv + CPU_RESERVE
+    if not served.gpu:
+        # moepipe's runtime holds a rank in float32; world size > 1 is a rank group with one
+        # rank process per pod (moepipe.ranks), sized for the largest rank (its stage's)
+        def rank(st: int) -> int:
+            weights = stage_weight_bytes(model, s, st, "none", "float32")
+            layers = len(stage_layers(model.num_layers, s.pp, st))
+            kv = kv_bytes_per_token(model, s, layers, 4) * max_batch_size * max_seq_len
+            return math.ceil(weights * CPU_HEADROOM) + kv
+
+        return max(rank(st) for st in range(s.pp)) + CPU_RESERVE
     total = sum(s.tp * stage_weight_bytes(model, s, st, fmt, dtype,
                                           hf_layout=served.hf_layout)
                 for st in range(s.pp))

@@ -36,7 +36,8 @@ class Target:
     stages: tuple[str, ...]
     artifact: Artifact
     gpu: bool  # runs on NVIDIA GPUs (TensorRT-LLM); False: this machine's CPU
-    # Its ranks may span nodes (MPI ranks started over the LeaderWorkerSet's pods).
+    # Its ranks may span nodes (MPI ranks, or moepipe's rank processes, over a
+    # LeaderWorkerSet's pods).
     multi_node: bool
     # One tritonserver process per rank, joined by mpirun (TensorRT-LLM's leader mode); else
     # one server process (which may start its own workers).

@@ -93,7 +93,7 @@ def plan(cfg: MoepipeConfig) -> tuple[k8s.PodPlan, k8s.Shape]:
         ports={"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port},
         gpus=shape.gpus_per_pod, cpu=f"{kc.cpus:g}", memory_mib=memory,
         shm_mib=k8s.shm_mib(python_instances(cfg)), volume_claim=kc.volume_claim,
-        startup_s=startup, exit_timeout_s=d.exit_timeout_s), shape
+        startup_s=startup, exit_timeout_s=d.exit_timeout_s, rank_port=d.rank_port), shape
 
 
 def render_operations(cfg: MoepipeConfig, out: Path) -> list[Path]:

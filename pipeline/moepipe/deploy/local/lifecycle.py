@@ -13,14 +13,18 @@ waits for client connections or in-flight inferences and nothing progresses for
 :data:`DRAIN_IDLE_S`: an idle keep-alive connection, or a hung request the engine never got to
 report as running. A server that did sit
 out its exit timeout is reported as forced, not graceful. Every process of the deployment
-(server, backend stubs that a killed server left behind, the supervisor, any other process
-started with the deployment's tag: :mod:`.processes`) is gone when ``stop`` returns, and so is
-the shared memory of a server that had to be killed (:mod:`.shm`).
+(server, backend stubs that a killed server left behind, worker ranks, the supervisor, any
+other process started with the deployment's tag: :mod:`.processes`) is gone when ``stop``
+returns, and so is the shared memory of a server that had to be killed (:mod:`.shm`).
 
 The same holds for every other way a server's life ends: a start that fails, times out or is
 interrupted by a signal stops what it began (:func:`start`); a command that started a server
 and is ended by a signal or an error stops it (:func:`guard`); one repository is served by one
 server at a time (:func:`refuse_served`).
+
+A deployment whose ``tensorrt_llm`` model is rank 0 of a rank group (world size > 1) has its
+worker ranks started with the server (:mod:`moepipe.deploy.local.ranks`); the server is ready
+once they have joined.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from moepipe.deploy.local import drain, processes, shm
+from moepipe.deploy.local import drain, processes, ranks, shm
 from moepipe.deploy.local.binary import (
     LOG_FILE,
     check_port,
@@ -82,6 +86,13 @@ def locate(state_dir: Path) -> tuple[ServerState | None, bool]:
     return (_found_state(servers[0], state_dir), False) if servers else (None, False)
 
 
+def start_ranks(state: ServerState, state_dir: Path) -> None:
+    """Start the worker ranks of ``state``'s deployment (none for a single process)."""
+    group = ranks.RankGroup.of(Path(state.repository))
+    state.ranks = ranks.start_workers(group, Path(state.repository), state_dir) \
+        if group is not None else None
+
+
 def dead_models(state: ServerState) -> list[str]:
     """Model instances whose backend process died since the server became ready."""
     return [f"{name} (pid {pid})" for name, pid in sorted((state.models or {}).items())
@@ -105,8 +116,9 @@ def status(state_dir: Path) -> dict:
         return {"running": False, **({"failure": failed} if failed else {})}
     server_alive = processes.alive(state.pid)
     dead = dead_models(state) if server_alive else []
-    info = state.to_status(server_alive and not dead)
-    info.update(server_alive=server_alive, dead_models=dead, recorded=recorded,
+    lost = ranks.dead_ranks(state.ranks) if server_alive else []
+    info = state.to_status(server_alive and not dead and not lost)
+    info.update(server_alive=server_alive, dead_models=dead, dead_ranks=lost, recorded=recorded,
                 supervised=bool(state.supervisor_pid and processes.alive(state.supervisor_pid)))
     if not recorded:
         info["note"] = f"{STATE_FILE} is missing; found the server by its deployment tag"
@@ -170,6 +182,7 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
                             binary=str(triton.path), started=time.time(),
                             exit_timeout=exit_timeout,
                             backend_dir=str(triton.backend_dir) if triton.backend_dir else None)
+        start_ranks(state, state_dir)  # rank 0 (in the server) waits for them: ready = joined
         write_state(state_dir, state)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -27,7 +27,8 @@ SERVER_NAME = "tritonserver"
 STUB_NAME = "triton_python_backend_stub"
 SUPERVISOR_MODULE = "moepipe.deploy.local.supervisor"
 DEPLOYMENT_ENV = "MOEPIPE_DEPLOYMENT"
-KINDS = ("supervisor", "server", "stub", "child")
+KINDS = ("supervisor", "server", "stub", "rank", "child")
+RANK_MODULE = "moepipe.ranks.worker"  # its MODULE (not imported here: it loads torch)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def _kind(argv: tuple[str, ...]) -> str:
         return "server"
     if name == STUB_NAME:
         return "stub"
+    if RANK_MODULE in argv:
+        return "rank"
     return "supervisor" if SUPERVISOR_MODULE in argv else "child"
 
 

@@ -12,6 +12,11 @@ describes the current server (``restarts`` counts them); giving up is recorded i
 SIGTERM, SIGHUP or SIGINT stop the deployment - gracefully, or at once on a second signal -
 also in the middle of a restart, and the supervisor exits with 128 + the signal's number; so
 does ``moepipe serve``'s :func:`foreground` watch.
+
+A worker rank that died (or left: rank 0 dissolves its group when it loses any rank) is not a
+reason to restart the server: rank 0 in the server keeps running, answers UNAVAILABLE and waits
+for the next group, so the supervisor kills the other workers and starts all of them again
+(one restart of the rank group, counted like a server restart).
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ from pathlib import Path
 
 from moepipe.deploy.local import processes
 from moepipe.deploy.local.binary import check_port, server_env
-from moepipe.deploy.local.lifecycle import clear, dead_models, guard, start, watch
+from moepipe.deploy.local.lifecycle import clear, dead_models, guard, start, start_ranks, watch
+from moepipe.deploy.local.ranks import dead_ranks
 from moepipe.deploy.local.state import ServerError, ServerState, read_state, write_state
 from moepipe.utils import interrupt
 
-POLL_S = 0.5
+POLL_S = 0.2  # a lost worker rank is noticed within a second
 STARTUP_S = 60.0  # the supervisor's interpreter start, on a busy machine
 REFRESH_S = 5.0  # how often a healthy deployment's model processes are looked for again
 LOG = "supervisor.log"
@@ -70,7 +76,27 @@ def problem(state: ServerState) -> str | None:
     if not processes.alive(state.pid):
         return f"tritonserver (pid {state.pid}) exited"
     dead = dead_models(state)
-    return f"the backend process of model {dead[0]} died" if dead else None
+    if dead:
+        return f"the backend process of model {dead[0]} died"
+    lost = dead_ranks(state.ranks)
+    return f"worker {lost[0]} of the rank group exited" if lost else None
+
+
+def ranks_only(state: ServerState) -> bool:
+    """Whether only worker ranks died (the server and its models live on)."""
+    return processes.alive(state.pid) and not dead_models(state) \
+        and bool(dead_ranks(state.ranks))
+
+
+def restart_ranks(state_dir: Path, state: ServerState) -> ServerState:
+    """Start the rank group's workers again (the others killed first); rank 0 forms the next
+    group from them."""
+    processes.kill_all([p for p in processes.deployment_processes(state_dir)
+                        if p.kind == "rank"])
+    start_ranks(state, state_dir)
+    state.restarts += 1
+    write_state(state_dir, state)
+    return state
 
 
 def _record_new_models(state_dir: Path, state: ServerState) -> None:
@@ -143,6 +169,10 @@ def _watch(state_dir: Path, repository: str) -> int:
             continue
         failed_at = time.time()
         cause = cause or why
+        if ranks_only(state) and state.restarts < state.max_restarts:
+            log.warning("%s; starting the rank group's workers again", why)
+            restart_ranks(state_dir, state)
+            continue
         log.warning("%s; stopping what is left of the deployment", why)
         _clear_but_record(state_dir, state)
         if state.restarts >= state.max_restarts:
@@ -190,6 +220,11 @@ def foreground(state_dir: Path, state: ServerState, max_restarts: int,
                     _record_new_models(state_dir, state)
                     refreshed = time.monotonic()
                 time.sleep(POLL_S)
+                continue
+            if ranks_only(state) and state.restarts < max_restarts:
+                echo(f"{why}; starting the rank group's workers again "
+                     f"({state.restarts + 1} of {max_restarts})")
+                state = restart_ranks(state_dir, state)
                 continue
             if state.restarts >= max_restarts:
                 clear(state_dir)

@@ -60,6 +60,8 @@ def render_fallback(cfg: MoepipeConfig, art: Artifacts, fb_cfg: MoepipeConfig,
         if path.is_file() and path.suffix in (".pbtxt", ".yaml", ".sh", ".md"):
             used |= placeholders(path.read_text())
     values = {**common, **values_of(cfg.target)(fb_cfg, fb_art, out)}
+    if "world_size" in values:  # the small fallback runs in one process, every rank summed
+        values["world_size"] = "1"
     dst = repo / FALLBACK_MODEL
     render_tree([src], {k: v for k, v in values.items() if k in used}, dst)
     pbtxt = dst / "config.pbtxt"

@@ -15,6 +15,7 @@ from moepipe import __version__
 from moepipe.arch.hf import tokenizer_files
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster.operate import render_operations
+from moepipe.deploy.local.ranks import MANIFEST
 from moepipe.deploy.render import loadtest
 from moepipe.deploy.render.fallback import bls_values, render_fallback
 from moepipe.deploy.render.targets import Artifacts, values_of
@@ -24,7 +25,6 @@ from moepipe.errors import MoepipeError
 from moepipe.serving import core
 from moepipe.utils.fs import atomic_dir
 
-MANIFEST = "moepipe-deploy.json"
 # The serving core's folder beside each Python model (imported as ``serving_core``).
 SERVING_CORE = "serving_core"
 

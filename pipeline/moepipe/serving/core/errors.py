@@ -21,8 +21,11 @@ ERR_STOP_WITHOUT_ID = "Trying to stop a request but request ID is not provided"
 QUEUE_FULL = "Exceeds maximum queue size"
 QUEUE_TIMEOUT = "Request timeout expired"
 EXECUTOR_QUEUE_FULL = "has been reached, please try again later"
+# A cpu rank group that lost a rank (moepipe.ranks.errors.RANK_GROUP_LOST, held equal by a
+# test: the core imports nothing of moepipe): retry once the group is formed again.
+RANK_GROUP_LOST = "rank group unavailable"
 # Every text that says "busy, retry later", whoever wrote it.
-BUSY_TEXTS = (QUEUE_FULL, QUEUE_TIMEOUT, EXECUTOR_QUEUE_FULL)
+BUSY_TEXTS = (QUEUE_FULL, QUEUE_TIMEOUT, EXECUTOR_QUEUE_FULL, RANK_GROUP_LOST)
 
 
 class RequestError(ValueError):

@@ -1,8 +1,11 @@
 """``perf``: a closed-loop concurrency sweep and open-loop request-rate steps, checked against
-``validate.slo`` (moepipe's own load driver)."""
+``validate.slo`` (moepipe's own load driver). On a rank group (cpu target, world size > 1) each
+point also reports where a step's time went: the communication share and the wait for the
+slowest rank, from the deployment's ``moepipe_rank_*`` metrics."""
 
 from __future__ import annotations
 
+from moepipe.validate import rank_figures
 from moepipe.validate.base import JobContext
 from moepipe.validate.load import LoadResult, run_load
 from moepipe.validate.report import JobResult, check
@@ -25,20 +28,36 @@ def perf(ctx: JobContext) -> JobResult:
         label = f"{mode} {value:g}"
 
         def point(mode=mode, value=value, load=load, label=label):
+            before = _ranks(ep.metrics)
             res = run_load(plan(cfg, ep, prompts, max_requests=p.requests,
                                 duration_s=p.duration_s, **load))
             results[label] = res
             s = summarize(res)
             good = goodput(res.samples, slo, s["seconds"])
+            ranks = None if before is None else rank_figures.share(before,
+                                                                    _ranks(ep.metrics) or {})
             job.data["points"].append({"mode": mode, "load": value, "label": label,
-                                       "summary": s, "goodput": good})
+                                       "summary": s, "goodput": good,
+                                       **({"ranks": ranks} if ranks else {})})
             check(s["ok"] > 0, f"{label}: no request was answered ({s['requests']} sent)")
             missed = slo_violations(s, slo)
             check(not missed, f"{label}: " + "; ".join(missed))
-            return {"summary": s, "goodput_requests_per_s": good}
+            return {"summary": s, "goodput_requests_per_s": good,
+                    **({"ranks": ranks} if ranks else {})}
 
         job.run(f"{mode}_{value:g}", point)
     if results:
         client_check(job, list(results.values()))
         distribution_data(job, results)
     return job
+
+
+def _ranks(metrics: str | None) -> rank_figures.Series | None:
+    """The rank group's series (None: no metrics endpoint, or no group)."""
+    if not metrics:
+        return None
+    try:
+        series = rank_figures.scrape(metrics)
+    except OSError:
+        return None
+    return series or None

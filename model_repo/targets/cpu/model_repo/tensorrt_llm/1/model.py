@@ -9,6 +9,12 @@ responses are built and sent on the core's outbox thread. Metrics: expert routin
 (``moepipe_expert_tokens_total{model,layer,expert}``), latency / TTFT / queue histograms and
 occupancy gauges (``moepipe.serving.metrics``), TensorRT-LLM's own families
 (``moepipe.serving.trtllm_metrics``).
+
+World size > 1: this model is rank 0 of a rank group (``moepipe.ranks.leader``), loading only
+``rank0.safetensors``; ``initialize`` returns once the workers have joined. A lost rank ends
+every request in flight with UNAVAILABLE, refuses new ones and withdraws readiness
+(``is_ready``) until the next group is formed; per-rank step timings are exported by
+``moepipe.serving.rank_metrics``.
 """
 
 import json
@@ -39,19 +45,39 @@ METRICS_PERIOD_S = 0.5
 LOGITS_DTYPES = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16}
 
 
-def build_engine(params: dict, max_batch_size: int, on_step) -> Batcher:
+def build_engine(params: dict, max_batch_size: int, on_step, leader=None) -> Batcher:
     """The engine this model serves, built in this one place: the in-flight batcher over the
     reference model of ``checkpoint_dir``, holding at most ``max_batch_size`` running and
     ``max_queue_size`` waiting requests (the core's admission, so its busy refusals are the
     core's). What the adapter uses of it: ``submit_all``, ``start``, ``stop``, ``model``
     (vocab_size, expert_tokens), ``max_input_len`` / ``max_seq_len`` and the metrics readers
-    (``load``, ``active``, ``steps``, ``stats``, ``iteration_values``)."""
+    (``load``, ``active``, ``steps``, ``stats``, ``iteration_values``). With a rank group's
+    ``leader`` the model is its rank 0 and the batcher asks it whether the group can step."""
     admission = Admission(max_batch_size, int(params.get("max_queue_size") or 0),
                           int(params.get("queue_timeout_microseconds") or 0) / 1e6)
-    return Batcher(ReferenceModel(load_checkpoint(params["checkpoint_dir"])),
-                   max_batch_size=max_batch_size, max_seq_len=int(params["max_seq_len"]),
+    model = leader.model if leader is not None else \
+        ReferenceModel(load_checkpoint(params["checkpoint_dir"]))
+    return Batcher(model, max_batch_size=max_batch_size, max_seq_len=int(params["max_seq_len"]),
                    max_input_len=int(params["max_input_len"]), on_step=on_step,
-                   admission=admission)
+                   admission=admission, health=leader)
+
+
+def form_group(params: dict, max_batch_size: int):
+    """World size > 1: rank 0 of the rank group, returned once every worker has joined (ready
+    then means the group serves); None for one process."""
+    world_size = int(params.get("world_size") or 1)
+    if world_size <= 1:
+        return None
+    from moepipe.ranks.leader import GroupSettings, Leader
+
+    leader = Leader(
+        params["checkpoint_dir"],
+        GroupSettings(world_size, os.environ.get("MOEPIPE_RANK_LISTEN") or params["rank_listen"],
+                      float(params["collective_timeout_s"]), float(params["rank_form_timeout_s"])),
+        max_batch_size=max_batch_size, max_seq_len=int(params["max_seq_len"]),
+        threads=int(params.get("cpu_threads") or 1))
+    leader.form()
+    return leader
 
 
 class TritonPythonModel:
@@ -65,7 +91,8 @@ class TritonPythonModel:
         # requests spend more time queued for the GIL than in the batch.
         sys.setswitchinterval(0.0002)
         max_batch_size = int(cfg["max_batch_size"])
-        self.engine = e = build_engine(params, max_batch_size, self._on_step)
+        self.leader = form_group(params, max_batch_size)
+        self.engine = e = build_engine(params, max_batch_size, self._on_step, self.leader)
         self.counters = EngineCounters(pb_utils, self.name, e.model)
         self.serving_metrics = ServingMetrics(pb_utils, self.name, max_batch_size)
         # TensorRT-LLM's nv_trt_llm_request_metrics / nv_trt_llm_kv_cache_block_metrics.
@@ -79,18 +106,32 @@ class TritonPythonModel:
             exclude_default=flag(params.get("exclude_input_in_output")), features=contract.CPU,
             limits=checks.Limits(e.model.vocab_size, e.max_input_len, e.max_seq_len),
             logits_dtype=LOGITS_DTYPES[logits])
+        self.rank_metrics = None
+        if self.leader is not None:
+            from moepipe.serving.rank_metrics import RankMetrics
+
+            self.rank_metrics = RankMetrics(pb_utils, self.name, self.leader)
+            self.leader.on_health = \
+                lambda up, why: self.frontend.outbox.put(self.rank_metrics.publish)
         e.start()
 
     def execute(self, requests):
         self.frontend.execute(requests)
         return None
 
+    def is_ready(self):
+        """Model readiness, asked by Triton's readiness endpoints where the Python backend
+        supports it (python_backend r26.03+ ``src/python_be.cc``; Triton core r26.04+
+        ``src/server.cc`` counts it in ``/v2/health/ready``): False while the rank group is
+        lost or forming."""
+        return self.leader is None or self.leader.ready
+
     # -- the serving core's Engine: one GenerationRequest per job -----------------------------
     def make(self, jobs, group):
         return [self._request(job, group) for job in jobs]
 
     def run(self, reqs):
-        self.engine.submit_all(reqs)  # all or none: RequestError, Busy
+        self.engine.submit_all(reqs)  # all or none: RequestError, Busy, RankGroupLost
 
     def stop(self, reqs):
         for req in reqs:  # ended at the engine's next step, with what they generated
@@ -151,9 +192,13 @@ class TritonPythonModel:
         put(self.counters.publish, self.counters.delta(model), tokens, self.engine.active)
         put(self.serving_metrics.publish, self.engine.load())
         put(self.trtllm_metrics.publish, iteration_values(self.engine))
+        if self.rank_metrics is not None:
+            put(self.rank_metrics.publish)
 
     def finalize(self):
         self.engine.stop()
+        if self.leader is not None:
+            self.leader.close()  # the workers stop
         self.frontend.close()
         e = self.engine
         pb_utils.Logger.log_info(
@@ -163,6 +208,8 @@ class TritonPythonModel:
         self.serving_metrics.close()
         self.trtllm_metrics.close()
         self.counters.close()
+        if self.rank_metrics is not None:
+            self.rank_metrics.close()
 
 
 def _perf(req):
