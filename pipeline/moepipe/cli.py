@@ -285,8 +285,10 @@ def balance_cmd(metrics: str | None = typer.Option(None, "--metrics", help="A de
                                                    "metrics URL (default, with a config: its "
                                                    "own, http://HOST:METRICS_PORT/metrics)."),
                 counts: Path | None = typer.Option(None, "--counts", help="Expert token "
-                                                   "counts: JSON {\"layers\": {\"0\": [...]}}"
-                                                   " or saved metrics text."),
+                                                   "counts: JSON {\"layers\": {\"0\": [...]}},"
+                                                   " saved metrics text, or the folder "
+                                                   "TensorRT-LLM's expert statistics wrote "
+                                                   "(read with the config's mapping)."),
                 moe_ep: int | None = typer.Option(None, "--moe-ep", help="EP ranks (default: "
                                                   "the config's parallel.moe_ep)."),
                 slots: int | None = typer.Option(None, "--slots", help="Expert slots per "
@@ -297,16 +299,19 @@ def balance_cmd(metrics: str | None = typer.Option(None, "--metrics", help="A de
                 as_json: bool = typer.Option(False, "--json", help="Print the prediction as "
                                              "JSON.")) -> None:
     """Expert placement from measured load for TensorRT-LLM's MoE load balancer."""
-    from moepipe.commands.plan import format_balance, run_balance
+    from moepipe.commands.plan import dump_mapping, format_balance, run_balance
 
-    if moe_ep is None or (metrics is None and counts is None):
+    dump = None
+    folder = counts is not None and counts.is_dir()
+    if moe_ep is None or (metrics is None and counts is None) or folder:
         from moepipe.config import load_config
 
         cfg = load_config(config)
         moe_ep = moe_ep or cfg.parallel.to_mapping().moe_ep
         if metrics is None and counts is None:
             metrics = f"http://{cfg.deploy.host}:{cfg.deploy.metrics_port}/metrics"
-    placement = run_balance(metrics, counts, moe_ep, slots, out)
+        dump = dump_mapping(cfg) if folder else None
+    placement = run_balance(metrics, counts, moe_ep, slots, out, dump)
     typer.echo(json.dumps(placement.summary(), indent=2) if as_json
                else format_balance(placement, out))
 
