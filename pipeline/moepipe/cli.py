@@ -260,6 +260,10 @@ def plan_cmd(model: str = typer.Argument(..., help="Checkpoint folder, config.js
                                                       help="NVLink GB/s per direction."),
              internode_gbps: float | None = typer.Option(None, "--internode-gbps",
                                                          help="Network GB/s per GPU."),
+             usd_per_gpu_hour: float | None = typer.Option(
+                 None, "--usd-per-gpu-hour", help="Price of one GPU per hour: adds US$ per "
+                 "million output tokens per mapping (roofline) and for the dense model of the "
+                 "same parameters."),
              as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
              write: Path | None = typer.Option(None, "--write", help="Also write "
                                                "aiconfigurator's inputs into this folder."),
@@ -271,7 +275,7 @@ def plan_cmd(model: str = typer.Argument(..., help="Checkpoint folder, config.js
 
     result = run_plan(PlanRequest(model, cluster, isl, osl, goal, quantize, kv_cache,
                                   kv_fraction, target, max_num_tokens, nvlink_gbps,
-                                  internode_gbps))
+                                  internode_gbps, usd_per_gpu_hour))
     written = None
     if write is not None:
         written = write_aiconfigurator(result, model_id(model), write)

@@ -231,6 +231,24 @@ class BuildSection(Section):
         return self
 
 
+class ExpertStatisticSection(Section):
+    """TensorRT-LLM's expert statistics (trtllm-pytorch): its workers count the experts they
+    route for iterations start..stop-1, write the counts when iteration ``stop`` begins (once
+    per server start), and the deployment exports them as ``moepipe_expert_tokens_total``.
+    TensorRT-LLM runs without CUDA graphs while it counts."""
+
+    start: int = Field(ge=0, description="First iteration counted (EXPERT_STATISTIC_ITER_RANGE "
+                                         "START; early iterations are warm-up).")
+    stop: int = Field(ge=1, description="Iteration at which the counts are written (STOP, not "
+                                        "counted).")
+
+    @model_validator(mode="after")
+    def _window(self):
+        if self.start >= self.stop:
+            raise ValueError(f"start ({self.start}) must be smaller than stop ({self.stop})")
+        return self
+
+
 class TrtllmDeploySection(Section):
     """Serving knobs of the GPU targets, with TensorRT-LLM 1.2's defaults. ``trtllm-engine``
     renders them as ``tensorrt_llm`` parameters, ``trtllm-pytorch`` as LLM-API arguments;
@@ -280,6 +298,11 @@ class TrtllmDeploySection(Section):
         None, description="trtllm-pytorch: a `moepipe balance` placement file, rendered as "
                           "moe_config.load_balancer (needs parallel.attention_dp, moe_ep >= 2 "
                           "and moe_backend WIDEEP).")
+    expert_statistic: ExpertStatisticSection | None = Field(
+        None, description="trtllm-pytorch: count routed experts over an iteration window "
+                          "(TensorRT-LLM's EXPERT_STATISTIC_ITER_RANGE), exported as "
+                          "moepipe_expert_tokens_total and read by `moepipe balance`; unset: "
+                          "off.")
 
 
 # Kubernetes names (k8s.io/apimachinery validation: IsDNS1123Label, IsDNS1123Subdomain) and
@@ -555,6 +578,31 @@ class RecoverySection(Section):
                                                        "response.")
 
 
+class CostSection(Section):
+    """The deployment's price, for US$ per million tokens (the perf job, the Prometheus rules):
+    the price of what the validated endpoint runs on (one replica)."""
+
+    usd_per_hour: float | None = Field(None, gt=0, description="US$ per hour of the "
+                                       "deployment (one replica, all its machines).")
+    usd_per_gpu_hour: float | None = Field(None, gt=0, description="GPU targets: US$ per GPU "
+                                           "and hour; the deployment's price is this x its "
+                                           "GPUs (tp x pp).")
+    max_usd_per_million_tokens: float | None = Field(
+        None, gt=0, description="US$ per million tokens (input and output counted alike) "
+                                "above which the MoepipeCostPerTokenHigh alert fires and the "
+                                "perf job fails (at its cheapest load point).")
+
+    @model_validator(mode="after")
+    def _one_price(self):
+        if self.usd_per_hour is not None and self.usd_per_gpu_hour is not None:
+            raise ValueError("give usd_per_hour or usd_per_gpu_hour, not both")
+        if self.max_usd_per_million_tokens is not None and self.usd_per_hour is None \
+                and self.usd_per_gpu_hour is None:
+            raise ValueError("max_usd_per_million_tokens needs a price (usd_per_hour or "
+                             "usd_per_gpu_hour)")
+        return self
+
+
 class ValidateSection(Section):
     url: str | None = Field(None, description="HTTP endpoint (default: the local deployment).")
     grpc_url: str | None = Field(None, description="gRPC endpoint host:port.")
@@ -583,6 +631,8 @@ class ValidateSection(Section):
                                     description="balance: traffic and the expert-load gate.")
     recovery: RecoverySection = Field(default_factory=RecoverySection,
                                       description="recovery: kills and the time gate.")
+    cost: CostSection = Field(default_factory=CostSection,
+                              description="The deployment's price: US$ per million tokens.")
 
 
 class MoepipeConfig(Section):
@@ -667,6 +717,34 @@ class MoepipeConfig(Section):
                                  "parallel.attention_dp: true, parallel.moe_ep >= 2 and "
                                  "deploy.trtllm.moe_backend: WIDEEP")
         return self
+
+    @model_validator(mode="after")
+    def _expert_statistic_target(self):
+        if self.deploy.trtllm.expert_statistic is not None and self.target != "trtllm-pytorch":
+            raise ValueError("deploy.trtllm.expert_statistic is TensorRT-LLM's PyTorch-backend "
+                             "statistics; set target: trtllm-pytorch (the cpu target exports "
+                             "expert counts by itself)")
+        return self
+
+    @model_validator(mode="after")
+    def _gpu_price(self):
+        if self.validation.cost.usd_per_gpu_hour is not None and self.target == "cpu":
+            raise ValueError("validate.cost.usd_per_gpu_hour prices GPUs; the cpu target has "
+                             "none: give validate.cost.usd_per_hour")
+        return self
+
+    def usd_per_hour(self) -> float | None:
+        """The deployment's price per hour (``validate.cost``), GPUs counted as tp x pp."""
+        c = self.validation.cost
+        if c.usd_per_gpu_hour is not None:
+            return c.usd_per_gpu_hour * self.parallel.to_mapping().world_size
+        return c.usd_per_hour
+
+    @property
+    def expert_statistic_dir(self) -> Path:
+        """Where a local trtllm-pytorch server's TensorRT-LLM writes its expert statistics
+        (beside the deployment folder, which `moepipe deploy` replaces)."""
+        return self.workdir / "expert-statistic"
 
     @property
     def deploy_dir(self) -> Path:

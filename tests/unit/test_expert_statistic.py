@@ -158,7 +158,7 @@ def test_iteration_ranges_parse_as_upstream():
     for bad in ("100", "5-5", "10-2", "a-b", "-1-3"):
         with pytest.raises(es.StatisticError):
             es.parse_range(bad)
-    assert es.environment("1-2", "/x") == {"EXPERT_STATISTIC_ITER_RANGE": "1-2",
+    assert es.environment(1, 2, "/x") == {"EXPERT_STATISTIC_ITER_RANGE": "1-2",
                                            "EXPERT_STATISTIC_PATH": "/x"}
 
 

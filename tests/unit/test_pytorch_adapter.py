@@ -52,8 +52,36 @@ def _pb_utils():
     pb.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
     pb.using_decoupled_model_transaction_policy = \
         lambda cfg: cfg["model_transaction_policy"]["decoupled"]
-    pb.Logger = types.SimpleNamespace(log_warn=lambda msg: None)
+    pb.Logger = types.SimpleNamespace(log_warn=lambda msg: None, log_info=lambda msg: None)
+    pb.MetricFamily = _MetricFamily
     return pb
+
+
+class _MetricFamily:
+    """Triton's custom metrics: every family and metric made is kept, with its value."""
+
+    COUNTER, GAUGE = "counter", "gauge"
+    made: list = []
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind, self.metrics = name, kind, []
+        _MetricFamily.made.append(self)
+
+    def Metric(self, labels):  # noqa: N802 - Triton's name
+        metric = types.SimpleNamespace(labels=labels, value=0, thread=None)
+
+        def increment(n):
+            metric.value += n
+            metric.thread = threading.current_thread().name
+
+        metric.increment = increment
+        self.metrics.append(metric)
+        return metric
+
+
+def _samples(name):
+    return {tuple(sorted(m.labels.items())): m.value for f in _MetricFamily.made
+            if f.name == name for m in f.metrics}
 
 
 class _Result:
@@ -123,24 +151,40 @@ class _Request:
         return self.sender
 
 
-@pytest.fixture(params=[True, False], ids=["decoupled", "not-decoupled"])
-def model(request, monkeypatch, tmp_path):
+def _load(monkeypatch, tmp_path, decoupled, model_yaml="", **extra):
+    """The model as Triton loads it: model.py and model.yaml in the version folder, beside
+    them the module the renderer ships (moepipe.deploy.render.targets.SHIPPED)."""
+    from moepipe.deploy.render.repository import ship_modules
+    from moepipe.deploy.render.targets import SHIPPED
+
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _pb_utils())
     monkeypatch.setitem(sys.modules, "tensorrt_llm", _tensorrt_llm())
-    folder = tmp_path / "1"
-    folder.mkdir()
+    monkeypatch.setattr(_MetricFamily, "made", [])
+    monkeypatch.syspath_prepend(str(tmp_path))  # undone after the test (model.py adds it too)
+    folder = tmp_path / "model_repo" / "tensorrt_llm" / "1"
+    folder.mkdir(parents=True)
+    ship_modules(SHIPPED["trtllm-pytorch"], tmp_path)
     (folder / "model.py").write_text(MODEL.read_text())
     (folder / "model.yaml").write_text(
-        f"triton_config: {{max_batch_size: 4, decoupled: {str(request.param).lower()}}}\n")
+        f"triton_config: {{max_batch_size: 4, decoupled: {str(decoupled).lower()}}}\n"
+        + model_yaml)
+    monkeypatch.delitem(sys.modules, "expert_statistic", raising=False)
     spec = importlib.util.spec_from_file_location("pytorch_adapter_model", folder / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "STATISTIC_POLL_S", 0.05)
     instance = module.TritonPythonModel()
     params = {"exclude_input_in_output": "false", "trtllm_container": "c",
-              "trtllm_version": "stand-in", "max_queue_size": "1"}
-    instance.initialize({"model_config": json.dumps({
-        "max_batch_size": 4, "model_transaction_policy": {"decoupled": request.param},
+              "trtllm_version": "stand-in", "max_queue_size": "1", **extra}
+    instance.initialize({"model_name": "tensorrt_llm", "model_config": json.dumps({
+        "max_batch_size": 4, "model_transaction_policy": {"decoupled": decoupled},
         "parameters": {k: {"string_value": v} for k, v in params.items()}})})
+    return instance
+
+
+@pytest.fixture(params=[True, False], ids=["decoupled", "not-decoupled"])
+def model(request, monkeypatch, tmp_path):
+    instance = _load(monkeypatch, tmp_path, request.param)
     yield instance
     instance.finalize()
 
@@ -238,3 +282,51 @@ def test_generations_beyond_the_slots_and_the_queue_bound_are_refused_as_busy(mo
         time.sleep(0.01)
     sent = _run(model, _Request(**_inputs([[10, 11]], 2)))
     assert sent[-1][0].outputs["output_ids"][0][0].tolist() == [10, 11, 12, 13]
+
+
+def test_generated_tokens_are_counted(model):
+    _run(model, _Request(**_inputs([[10, 11]], 3)))
+    _run(model, _Request(**_inputs([[7]], 2)))
+    for _ in range(200):  # counted when the generation's coroutine ends
+        if _samples("moepipe_generated_tokens_total").get((("model", "tensorrt_llm"),)) == 5:
+            break
+        time.sleep(0.01)
+    assert _samples("moepipe_generated_tokens_total") == {(("model", "tensorrt_llm"),): 5}
+
+
+def test_expert_statistics_are_exported_once_tensorrt_llm_writes_them(monkeypatch, tmp_path):
+    """deploy.trtllm.expert_statistic: model.py gives TensorRT-LLM the window and folder where
+    the server's environment lacks them, waits for this run's dump (upstream's format, as
+    tests/unit/trtllm_dump.py writes it), combines the ranks (attention DP here) and exports
+    moepipe_expert_tokens_total from the request loop's thread."""
+    from trtllm_dump import simulate
+
+    for key in ("EXPERT_STATISTIC_ITER_RANGE", "EXPERT_STATISTIC_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    folder = tmp_path / "stats"
+    model = _load(monkeypatch, tmp_path, True,
+                  "tensor_parallel_size: 2\npipeline_parallel_size: 1\n"
+                  "enable_attention_dp: true\nmoe_config: {load_balancer: null}\n",
+                  expert_statistic_iters="2-5", expert_statistic_path=str(folder))
+    try:
+        import os
+
+        assert os.environ["EXPERT_STATISTIC_ITER_RANGE"] == "2-5"
+        assert os.environ["EXPERT_STATISTIC_PATH"] == str(folder)
+        time.sleep(0.2)
+        assert not _samples("moepipe_expert_tokens_total")  # nothing written yet
+        truth = simulate(folder, tp=2, pp=1, attention_dp=True, layers=[1, 2], experts=4,
+                         top_k=2, span="2-5")
+        for _ in range(200):
+            if _samples("moepipe_expert_tokens_total"):
+                break
+            time.sleep(0.02)
+        got = _samples("moepipe_expert_tokens_total")
+        assert got == {(("expert", str(e)), ("layer", str(layer)), ("model", "tensorrt_llm"),
+                        ("window", "2-5")): int(truth[layer][e])
+                       for layer in (1, 2) for e in range(4)}
+        threads = {m.thread for f in _MetricFamily.made for m in f.metrics
+                   if f.name == "moepipe_expert_tokens_total"}
+        assert threads == {"moepipe-trtllm-requests"}
+    finally:
+        model.finalize()

@@ -72,7 +72,16 @@ def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:
                      "GPU; it checks the engine's world size, the GPUs and the TensorRT-LLM "
                      "version before starting)")
     else:
-        lines.append(f"  in the container: tritonserver --model-repository {repo} "
+        env = ""
+        window = cfg.deploy.trtllm.expert_statistic
+        if window is not None:  # TensorRT-LLM's workers read it from the server's environment
+            import shlex
+
+            from moepipe.trtllm.expert_statistic import environment
+
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in environment(
+                window.start, window.stop, str(cfg.expert_statistic_dir)).items()) + " "
+        lines.append(f"  in the container: {env}tritonserver --model-repository {repo} "
                      f"--http-address {cfg.deploy.host} --http-port {cfg.deploy.http_port}")
     lines.append("  then: moepipe validate --url HOST:PORT --grpc-url HOST:PORT")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ class PlanRequest:
     max_num_tokens: int = 8192
     nvlink_gbps: float | None = None
     internode_gbps: float | None = None
+    usd_per_gpu_hour: float | None = None
 
 
 def run_plan(req: PlanRequest) -> Plan:
@@ -49,7 +50,7 @@ def run_plan(req: PlanRequest) -> Plan:
     kv_bytes = 1 if req.kv_cache != "none" else {"float32": 4}.get(model.dtype, 2)
     workload = Workload(req.isl, req.osl, req.goal, fmt, kv_bytes, req.kv_fraction,
                         req.max_num_tokens, kv_format=req.kv_cache)
-    return make_plan(model, cluster, workload, req.target)
+    return make_plan(model, cluster, workload, req.target, req.usd_per_gpu_hour)
 
 
 def model_id(source: str) -> str:

@@ -65,6 +65,7 @@ TRTLLM_BACKEND = {*TRTLLM_FAMILIES, *_histogram("nv_llm_input_token_len"),
 # The cpu target's own (model_repo/targets/cpu/.../tensorrt_llm/1/model.py) and the
 # TensorRT-LLM families it also exports, with the same labels (moepipe.serving.trtllm_metrics).
 MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
+               "moepipe_prompt_tokens_total",
                "moepipe_running_requests",
                # moepipe.serving.metrics (HISTOGRAMS, GAUGES)
                *_histogram("moepipe_request_latency_seconds"),
@@ -79,9 +80,25 @@ CPU_TRTLLM_FAMILIES = ("nv_trt_llm_request_metrics", "nv_trt_llm_kv_cache_block_
 EXPORTED = {
     "cpu": TRITON_CORE | MOEPIPE_CPU | set(CPU_TRTLLM_FAMILIES),
     "trtllm-engine": TRITON_CORE | TRITON_GPU | TRTLLM_BACKEND,
-    # TensorRT-LLM's LLM-API Python model registers no nv_trt_llm_* metrics.
-    "trtllm-pytorch": TRITON_CORE | TRITON_GPU,
+    # TensorRT-LLM's LLM-API Python model registers no nv_trt_llm_* metrics; moepipe's model
+    # (targets/trtllm-pytorch/.../model.py) counts the tokens of prompts and generations.
+    "trtllm-pytorch": TRITON_CORE | TRITON_GPU | {"moepipe_generated_tokens_total",
+                                                  "moepipe_prompt_tokens_total"},
 }
+# What a target's moepipe_expert_tokens_total counts: "live" - every routed token since the
+# model started (rates are the current load); "window" - TensorRT-LLM's expert statistics of
+# one iteration window (deploy.trtllm.expert_statistic), exported once written, constant
+# after, with a ``window="START-STOP"`` label. Targets not named export no expert counts.
+EXPERT_COUNTS = {"cpu": "live", "trtllm-pytorch": "window"}
+
+
+def exported(target: str, expert_statistic: bool = False) -> set[str]:
+    """The metric names a deployment of ``target`` exports; ``expert_statistic``: TensorRT-LLM's
+    expert statistics are collected (trtllm-pytorch)."""
+    names = set(EXPORTED[target])
+    if expert_statistic and EXPERT_COUNTS.get(target) == "window":
+        names.add("moepipe_expert_tokens_total")
+    return names
 
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
              "or", "unless", "offset", "inf", "nan"}

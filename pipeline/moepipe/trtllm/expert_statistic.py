@@ -77,10 +77,12 @@ def parse_range(text: str) -> tuple[int, int]:
     return start, stop
 
 
-def environment(iterations: str, path: str) -> dict[str, str]:
-    """The variables that make TensorRT-LLM collect (its worker processes read them)."""
-    parse_range(iterations)
-    return {ENV_ITER_RANGE: iterations, ENV_PATH: path}
+def environment(start: int, stop: int, path: str) -> dict[str, str]:
+    """The variables that make TensorRT-LLM count iterations ``start..stop-1`` into ``path``
+    (its worker processes read them: they must be in the server's environment)."""
+    window = f"{start}-{stop}"
+    parse_range(window)
+    return {ENV_ITER_RANGE: window, ENV_PATH: path}
 
 
 # -- reading ---------------------------------------------------------------------------------

@@ -49,10 +49,22 @@ def _case_rows(job: dict) -> str:
             + "".join(rows) + "</table>")
 
 
+def _cost_cells(p: dict) -> str:
+    c = p.get("cost")
+    if c is None:
+        return ""
+    fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+    return (f"<td>{fmt(c['usd_per_million_output_tokens'])}</td>"
+            f"<td>{fmt(c['usd_per_million_tokens'])}</td>")
+
+
 def _point_table(points: list[dict]) -> str:
+    priced = any("cost" in p for p in points)
     head = ("<tr><th>load</th><th>req/s</th><th>out tok/s</th><th>goodput req/s</th>"
             "<th>TTFT p50/p99 ms</th><th>ITL p50/p99 ms</th><th>latency p50/p90/p99/p99.9 ms"
-            "</th><th>max ms</th><th>errors</th><th>client CPU</th></tr>")
+            "</th><th>max ms</th><th>errors</th><th>client CPU</th>"
+            + ("<th>US$ / M output tokens</th><th>US$ / M tokens (in + out)</th>" if priced
+               else "") + "</tr>")
     rows = []
     for p in points:
         s = p["summary"]
@@ -65,7 +77,7 @@ def _point_table(points: list[dict]) -> str:
             f"</td><td>{g(lat, 'p50')} / {g(lat, 'p90')} / {g(lat, 'p99')} / {g(lat, 'p99_9')}"
             f"</td><td>{g(lat, 'max')}</td><td>{s['error_rate']:.1%} ({s['rejected']} rejected,"
             f" {s['failed']} failed, {s['timeout']} timed out)</td>"
-            f"<td>{s['client_cpu_max']:.0%}</td></tr>")
+            f"<td>{s['client_cpu_max']:.0%}</td>{_cost_cells(p)}</tr>")
     return "<table>" + head + "".join(rows) + "</table>"
 
 

@@ -17,7 +17,9 @@ startup probe budget            ``deploy.ready_timeout_s`` (GPU targets: at leas
 ports, exit timeout             ``deploy.<http,grpc,metrics>_port``, ``deploy.exit_timeout_s``
 autoscaler, budget              ``deploy.k8s.{min,max}_replicas``, ``autoscale_metric``,
                                 ``autoscale_target``
-rules, scrape config            ``deploy.monitoring``
+rules, scrape config            ``deploy.monitoring``; the cost rules: ``validate.cost``
+environment, scratch folder     ``deploy.trtllm.expert_statistic``: TensorRT-LLM's
+                                ``EXPERT_STATISTIC_*`` variables, an emptyDir to write into
 =============================== ==============================================================
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 from moepipe import __version__
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster import grafana, k8s, monitoring
+from moepipe.trtllm.expert_statistic import environment
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
 MIB = 1 << 20
@@ -86,6 +89,9 @@ def plan(cfg: MoepipeConfig, art) -> tuple[k8s.PodPlan, k8s.Shape]:
               else getattr(art, "pod_memory_mib", None)
               or memory_estimate_mib(cfg, art, shape.nodes))
     startup = int(d.ready_timeout_s) if cfg.target == "cpu" else max(int(d.ready_timeout_s), 900)
+    window = d.trtllm.expert_statistic
+    env = {} if window is None else environment(window.start, window.stop,
+                                                k8s.EXPERT_STATISTIC_DIR)
     return k8s.PodPlan(
         name=k8s.check_name(kc.name, "deploy.k8s.name"),
         image=kc.image or default_image(cfg.target), target=cfg.target,
@@ -93,7 +99,8 @@ def plan(cfg: MoepipeConfig, art) -> tuple[k8s.PodPlan, k8s.Shape]:
         ports={"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port},
         gpus=shape.gpus_per_pod, cpu=f"{kc.cpus:g}", memory_mib=memory,
         shm_mib=k8s.shm_mib(python_instances(cfg)), volume_claim=kc.volume_claim,
-        startup_s=startup, exit_timeout_s=d.exit_timeout_s), shape
+        startup_s=startup, exit_timeout_s=d.exit_timeout_s, env=tuple(env.items()),
+        scratch=(k8s.EXPERT_STATISTIC_DIR,) if env else ()), shape
 
 
 def render_operations(cfg: MoepipeConfig, art, out: Path) -> list[Path]:
@@ -111,7 +118,10 @@ def render_operations(cfg: MoepipeConfig, art, out: Path) -> list[Path]:
     rules = monitoring.rules(window_s=mc.rate_window_s, for_s=mc.alert_for_s,
                              slo_p99_ms=mc.slo_p99_ms, max_error_ratio=mc.max_error_ratio,
                              max_queue_ms=mc.max_queue_ms,
-                             max_expert_imbalance=mc.max_expert_imbalance)
+                             max_expert_imbalance=mc.max_expert_imbalance,
+                             usd_per_hour=cfg.usd_per_hour(),
+                             max_usd_per_million_tokens=(
+                                 cfg.validation.cost.max_usd_per_million_tokens))
     files = {
         RULES_FILE: monitoring.dump(rules),
         "prometheus.yml": monitoring.dump(monitoring.scrape_config(
@@ -122,7 +132,8 @@ def render_operations(cfg: MoepipeConfig, art, out: Path) -> list[Path]:
             kc.autoscale_metric)),
         "grafana-dashboard.json": json.dumps(grafana.dashboard(
             cfg.target, f"moepipe {pod.name} ({cfg.target})", f"moepipe-{pod.name}",
-            fallback=cfg.deploy.fallback is not None),
+            fallback=cfg.deploy.fallback is not None,
+            expert_statistic=cfg.deploy.trtllm.expert_statistic is not None),
             indent=2) + "\n",
     }
     for name, text in files.items():

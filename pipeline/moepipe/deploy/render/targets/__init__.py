@@ -1,7 +1,9 @@
 """The deploy targets, as a registry: target name -> the values its templates need.
 
 Each target is one module with a ``values(cfg, artifacts, out)`` function; its templates live in
-``model_repo/targets/<name>/``. Adding a target = one module + one line here.
+``model_repo/targets/<name>/``. Adding a target = one module + one line here. ``SHIPPED``: plain
+moepipe modules a target's Python models import from beside them (NVIDIA's container has no
+moepipe), by path in the deployment folder.
 """
 
 from __future__ import annotations
@@ -24,4 +26,9 @@ TARGETS: dict[str, Values] = {
     "trtllm-pytorch": trtllm_pytorch.values,
 }
 
-__all__ = ["TARGETS", "Artifacts", "Values"]
+SHIPPED: dict[str, dict[str, str]] = {
+    "trtllm-pytorch": {"model_repo/tensorrt_llm/1/expert_statistic.py":
+                       "moepipe.trtllm.expert_statistic"},
+}
+
+__all__ = ["SHIPPED", "TARGETS", "Artifacts", "Values"]

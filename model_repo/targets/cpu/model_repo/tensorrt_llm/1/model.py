@@ -7,7 +7,8 @@ FINAL; a ``stop`` request ends the running request with the same request id. ``e
 parses and queues, in both transaction policies, and answers through response senders: the
 engine thread runs in-flight batching; responses are built and sent, and cancellation polled,
 on the outbox thread. Expert routing is exported as Prometheus counters
-``moepipe_expert_tokens_total{model,layer,expert}``; latency, TTFT and queue-time histograms
+``moepipe_expert_tokens_total{model,layer,expert}``, tokens as ``moepipe_generated_tokens_total``
+and ``moepipe_prompt_tokens_total``; latency, TTFT and queue-time histograms
 and occupancy gauges by ``moepipe.serving.metrics``.
 """
 
@@ -65,6 +66,9 @@ class TritonPythonModel:
             name="moepipe_generated_tokens_total", description="Tokens generated",
             kind=pb_utils.MetricFamily.COUNTER)
         self.tokens_metric = self.tokens_family.Metric(labels={"model": self.name})
+        self.prompt_metric = pb_utils.MetricFamily(
+            name="moepipe_prompt_tokens_total", description="Prompt tokens of admitted requests",
+            kind=pb_utils.MetricFamily.COUNTER).Metric(labels={"model": self.name})
         self.running_family = pb_utils.MetricFamily(
             name="moepipe_running_requests", description="Requests in the running batch",
             kind=pb_utils.MetricFamily.GAUGE)
@@ -159,6 +163,7 @@ class TritonPythonModel:
         except Busy:
             self._forget(request_id, reqs)
             raise
+        self.outbox.put(self.prompt_metric.increment, sum(len(r.prompt) for r in reqs))
 
     def _stop(self, request_id, sender):
         """TensorRT-LLM's handleStopRequest: end the named request's rows with what they have
