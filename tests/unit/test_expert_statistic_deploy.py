@@ -144,3 +144,4 @@ def test_the_imbalance_alert_fires_on_the_windows_counts(tmp_path):
     path.write_text(yaml.safe_dump(tests, sort_keys=False))
     assert "SUCCESS" in promtool("test", "rules", path.name, cwd=out / "monitoring")
     assert by_kind  # the module's helpers, shared with test_operations
+

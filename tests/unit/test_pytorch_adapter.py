@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -58,14 +59,15 @@ def _pb_utils():
 
 
 class _MetricFamily:
-    """Triton's custom metrics: every family and metric made is kept, with its value."""
+    """Triton's custom metrics, with their values. As in the Python backend, a family that is
+    garbage-collected takes its metrics with it (weak references here)."""
 
     COUNTER, GAUGE = "counter", "gauge"
     made: list = []
 
     def __init__(self, name, description, kind):
         self.name, self.kind, self.metrics = name, kind, []
-        _MetricFamily.made.append(self)
+        _MetricFamily.made.append(weakref.ref(self))
 
     def Metric(self, labels):  # noqa: N802 - Triton's name
         metric = types.SimpleNamespace(labels=labels, value=0, thread=None)
@@ -79,8 +81,12 @@ class _MetricFamily:
         return metric
 
 
+def _families():
+    return [f for ref in _MetricFamily.made if (f := ref()) is not None]
+
+
 def _samples(name):
-    return {tuple(sorted(m.labels.items())): m.value for f in _MetricFamily.made
+    return {tuple(sorted(m.labels.items())): m.value for f in _families()
             if f.name == name for m in f.metrics}
 
 
@@ -325,7 +331,7 @@ def test_expert_statistics_are_exported_once_tensorrt_llm_writes_them(monkeypatc
         assert got == {(("expert", str(e)), ("layer", str(layer)), ("model", "tensorrt_llm"),
                         ("window", "2-5")): int(truth[layer][e])
                        for layer in (1, 2) for e in range(4)}
-        threads = {m.thread for f in _MetricFamily.made for m in f.metrics
+        threads = {m.thread for f in _families() for m in f.metrics
                    if f.name == "moepipe_expert_tokens_total"}
         assert threads == {"moepipe-trtllm-requests"}
     finally:

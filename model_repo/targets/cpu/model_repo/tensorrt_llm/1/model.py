@@ -66,9 +66,11 @@ class TritonPythonModel:
             name="moepipe_generated_tokens_total", description="Tokens generated",
             kind=pb_utils.MetricFamily.COUNTER)
         self.tokens_metric = self.tokens_family.Metric(labels={"model": self.name})
-        self.prompt_metric = pb_utils.MetricFamily(
+        # (the family must stay referenced: the backend deletes a collected family's metrics)
+        self.prompt_family = pb_utils.MetricFamily(
             name="moepipe_prompt_tokens_total", description="Prompt tokens of admitted requests",
-            kind=pb_utils.MetricFamily.COUNTER).Metric(labels={"model": self.name})
+            kind=pb_utils.MetricFamily.COUNTER)
+        self.prompt_metric = self.prompt_family.Metric(labels={"model": self.name})
         self.running_family = pb_utils.MetricFamily(
             name="moepipe_running_requests", description="Requests in the running batch",
             kind=pb_utils.MetricFamily.GAUGE)

@@ -162,12 +162,15 @@ class TritonPythonModel:
         self.slots, self.max_queue = int(cfg["max_batch_size"]), int(
             params.get("max_queue_size") or 0)
         self.held, self.held_lock = 0, threading.Lock()
-        self.tokens_metric = pb_utils.MetricFamily(
-            name="moepipe_generated_tokens_total", description="Tokens generated",
-            kind=pb_utils.MetricFamily.COUNTER).Metric(labels={"model": self.name})
-        self.prompt_metric = pb_utils.MetricFamily(
-            name="moepipe_prompt_tokens_total", description="Prompt tokens of admitted requests",
-            kind=pb_utils.MetricFamily.COUNTER).Metric(labels={"model": self.name})
+        # Families stay referenced: the backend deletes a collected family with its metrics.
+        counter = pb_utils.MetricFamily.COUNTER
+        self.families = [pb_utils.MetricFamily(name="moepipe_generated_tokens_total",
+                                               description="Tokens generated", kind=counter),
+                         pb_utils.MetricFamily(name="moepipe_prompt_tokens_total",
+                                               description="Prompt tokens of admitted requests",
+                                               kind=counter)]
+        self.tokens_metric, self.prompt_metric = (f.Metric(labels={"model": self.name})
+                                                  for f in self.families)
         self.expert_metrics = []
         if os.environ.get(expert_statistic.ENV_ITER_RANGE):
             asyncio.run_coroutine_threadsafe(self._export_expert_statistic(llm_args), self.loop)
@@ -206,11 +209,12 @@ class TritonPythonModel:
                 pb_utils.Logger.log_warn(f"expert statistics not exported: {e.message} "
                                          f"({e.hint})")
                 return
-        family = pb_utils.MetricFamily(
+        family = pb_utils.MetricFamily(  # kept in self.families (see initialize)
             name="moepipe_expert_tokens_total",
             description="Tokens routed to each expert of each MoE layer in TensorRT-LLM's "
                         "expert-statistic window (iterations START-STOP)",
             kind=pb_utils.MetricFamily.COUNTER)
+        self.families.append(family)
         window = os.environ[expert_statistic.ENV_ITER_RANGE]
         for layer, row in counts.layers.items():
             for e, n in enumerate(row):
