@@ -131,7 +131,8 @@ class ConvertSection(Section):
 QuantFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"]
 KvCacheFormat = Literal["none", "fp8", "int8"]
 # The validation jobs (moepipe.validate.registry.JOBS runs them; a test keeps the two equal).
-JobName = Literal["smoke", "accuracy", "perf", "burst", "long-tail", "balance", "recovery"]
+JobName = Literal["smoke", "accuracy", "perf", "burst", "long-tail", "balance", "recovery",
+                  "soak"]
 GPU_ONLY_FORMATS = ("w4a8_awq", "nvfp4")
 
 
@@ -578,6 +579,39 @@ class RecoverySection(Section):
                                                        "response.")
 
 
+class SoakSection(Section):
+    """A steady load held for a long time: errors, latency drift, and the trends of the
+    deployment's memory and KV use (a leak is a trend that would pass its bound over the
+    run)."""
+
+    seconds: float = Field(1800, gt=0, description="Length of the steady load (a day: 86400).")
+    rate: float = Field(2.0, gt=0, description="Requests/s, Poisson arrivals.")
+    window_s: float = Field(60, gt=0, description="Latency window: drift compares the first "
+                                                  "with the last; the trends leave out the "
+                                                  "first (warm-up).")
+    sample_s: float = Field(5, gt=0, description="How often memory and KV use are sampled.")
+    drain_s: float = Field(30, gt=0, description="After the load: how long KV use may take to "
+                                                 "return to its idle level.")
+    max_error_rate: float = Field(0.001, ge=0, le=1, description="Gate: share of requests "
+                                  "rejected, failed, timed out or not sent.")
+    max_memory_growth_mib: float = Field(256, gt=0, description="Gate: growth of the "
+                                         "deployment's RSS over the run, from its trend after "
+                                         "the warm-up.")
+    max_kv_growth: float = Field(0.05, gt=0, le=1, description="Gate: growth of KV use over "
+                                 "the run, from its trend after the warm-up, as a share of the "
+                                 "KV capacity.")
+    max_p99_drift: float | None = Field(None, ge=1, description="Gate: p99 latency of the last "
+                                        "window / the first (unset: reported only).")
+
+    @model_validator(mode="after")
+    def _two_windows(self):
+        if self.seconds < 2 * self.window_s:
+            raise ValueError(f"seconds ({self.seconds:g}) must hold at least two windows of "
+                             f"window_s ({self.window_s:g}): drift compares the first with "
+                             "the last")
+        return self
+
+
 class CostSection(Section):
     """The deployment's price, for US$ per million tokens (the perf job, the Prometheus rules):
     the price of what the validated endpoint runs on (one replica)."""
@@ -631,6 +665,8 @@ class ValidateSection(Section):
                                     description="balance: traffic and the expert-load gate.")
     recovery: RecoverySection = Field(default_factory=RecoverySection,
                                       description="recovery: kills and the time gate.")
+    soak: SoakSection = Field(default_factory=SoakSection,
+                              description="soak: the long steady load and its gates.")
     cost: CostSection = Field(default_factory=CostSection,
                               description="The deployment's price: US$ per million tokens.")
 

@@ -163,7 +163,48 @@ def _recovery(data: dict) -> list[str]:
     return out
 
 
-PLOTS = {"perf": _perf, "burst": _burst, "balance": _balance, "recovery": _recovery}
+def _soak(data: dict) -> list[str]:
+    out = []
+    rows = data.get("timeline", [])
+    if rows:
+        out.append(svg.lines("soak-latency", "soak: latency over the run", "seconds", "ms",
+                             {"p99": [(r["t"], r["p99_ms"]) for r in rows],
+                              "p50": [(r["t"], r["p50_ms"]) for r in rows]}, markers=False))
+        out.append(svg.lines("soak-outcomes", "soak: requests per time bin", "seconds",
+                             "requests", {k: [(r["t"], r[k]) for r in rows]
+                                          for k in ("ok", "rejected", "failed", "timeout",
+                                                    "not_sent")}, markers=False))
+    for key, name, unit in (("memory", "soak-memory", "RSS of the deployment (MiB)"),
+                            ("kv_use", "soak-kv", "KV use (slots or blocks)")):
+        d = data.get(key)
+        if not d or not d.get("samples"):
+            continue
+        pts = [tuple(p) for p in d["samples"]]
+        line = _fit(pts, data["window_s"])
+        series = {"measured": pts,
+                  "trend after warm-up": [(t, None if line is None or t < data["window_s"]
+                                           else line[0] * t + line[1]) for t, _ in pts]}
+        if key == "kv_use" and data.get("kv_total"):
+            series["capacity"] = [(t, data["kv_total"]) for t, _ in pts]
+        out.append(svg.lines(name, f"soak: {unit.split(' (')[0]}, "
+                             f"{d['slope_per_hour']:+.3g} {d['unit']}/h", "seconds", unit,
+                             series, markers=False))
+    return out
+
+
+def _fit(pts: list[tuple[float, float]], after: float) -> tuple[float, float] | None:
+    """(slope, intercept) of the least-squares line through the points after ``after``."""
+    import numpy as np
+
+    use = np.array([p for p in pts if p[0] >= after], dtype=float)
+    if len(use) < 2 or np.ptp(use[:, 0]) <= 0:
+        return None
+    slope, icept = np.polyfit(use[:, 0], use[:, 1], 1)
+    return float(slope), float(icept)
+
+
+PLOTS = {"perf": _perf, "burst": _burst, "balance": _balance, "recovery": _recovery,
+         "soak": _soak}
 
 
 def render(report: dict) -> str:
