@@ -308,8 +308,12 @@ def balance_cmd(metrics: str | None = typer.Option(None, "--metrics", help="A de
     dump = None
     folder = counts is not None and counts.is_dir()
     if moe_ep is None or (metrics is None and counts is None) or folder:
-        from moepipe.config import load_config
+        from moepipe.config import DEFAULT_CONFIG, load_config
 
+        if folder and not (config or Path(DEFAULT_CONFIG)).is_file():
+            raise ConfigError(f"--counts {counts}: a folder is read as TensorRT-LLM's expert "
+                              "statistics, with the mapping of the deployment that wrote it",
+                              "pass -c with that deployment's moepipe.yaml")
         cfg = load_config(config)
         moe_ep = moe_ep or cfg.parallel.to_mapping().moe_ep
         if metrics is None and counts is None:

@@ -238,10 +238,10 @@ class ExpertStatisticSection(Section):
     per server start), and the deployment exports them as ``moepipe_expert_tokens_total``.
     TensorRT-LLM runs without CUDA graphs while it counts."""
 
-    start: int = Field(ge=0, description="First iteration counted (EXPERT_STATISTIC_ITER_RANGE "
-                                         "START; early iterations are warm-up).")
-    stop: int = Field(ge=1, description="Iteration at which the counts are written (STOP, not "
-                                        "counted).")
+    start: int = Field(100, ge=0, le=MAX_REQUESTS, description="First iteration counted "
+                       "(EXPERT_STATISTIC_ITER_RANGE START; early iterations are warm-up).")
+    stop: int = Field(1100, ge=1, le=MAX_REQUESTS, description="Iteration at which the "
+                      "counts are written (STOP, not counted).")
 
     @model_validator(mode="after")
     def _window(self):
@@ -584,27 +584,32 @@ class SoakSection(Section):
     deployment's memory and KV use (a leak is a trend that would pass its bound over the
     run)."""
 
-    seconds: float = Field(1800, gt=0, description="Length of the steady load (a day: 86400).")
-    rate: float = Field(2.0, gt=0, description="Requests/s, Poisson arrivals.")
-    window_s: float = Field(60, gt=0, description="Latency window: drift compares the first "
-                                                  "with the last; the trends leave out the "
-                                                  "first (warm-up).")
-    sample_s: float = Field(5, gt=0, description="How often memory and KV use are sampled.")
-    drain_s: float = Field(30, gt=0, description="After the load: how long KV use may take to "
-                                                 "return to its idle level.")
+    seconds: float = Field(1800, gt=0, le=WEEK_S, description="Length of the steady load (a "
+                                                              "day: 86400).")
+    rate: float = Field(2.0, gt=0, le=MAX_RATE, description="Requests/s, Poisson arrivals.")
+    window_s: float = Field(60, gt=0, le=DAY_S, description="Latency window: drift compares "
+                            "the first with the last; the trends leave out the first (warm-up).")
+    sample_s: float = Field(5, gt=0, le=HOUR_S,
+                            description="How often memory and KV use are sampled.")
+    drain_s: float = Field(30, gt=0, le=HOUR_S, description="After the load: how long KV use "
+                           "may take to return to its idle level.")
     max_error_rate: float = Field(0.001, ge=0, le=1, description="Gate: share of requests "
                                   "rejected, failed, timed out or not sent.")
-    max_memory_growth_mib: float = Field(256, gt=0, description="Gate: growth of the "
-                                         "deployment's RSS over the run, from its trend after "
-                                         "the warm-up.")
+    max_memory_growth_mib: float = Field(256, gt=0, le=MAX_MEMORY_GIB * 1024,
+                                         description="Gate: growth of the deployment's RSS over "
+                                         "the run, from its trend after the warm-up.")
     max_kv_growth: float = Field(0.05, gt=0, le=1, description="Gate: growth of KV use over "
                                  "the run, from its trend after the warm-up, as a share of the "
                                  "KV capacity.")
-    max_p99_drift: float | None = Field(None, ge=1, description="Gate: p99 latency of the last "
-                                        "window / the first (unset: reported only).")
+    max_p99_drift: float | None = Field(None, ge=1, le=1e6, description="Gate: p99 latency of "
+                                        "the last window / the first (unset: reported only).")
 
     @model_validator(mode="after")
     def _two_windows(self):
+        if self.seconds / self.sample_s > MAX_BINS:
+            raise ValueError(f"seconds / sample_s ({self.seconds:g} / {self.sample_s:g}) is more "
+                             f"than {MAX_BINS} samples; use sample_s >= "
+                             f"{self.seconds / MAX_BINS:.3g}")
         if self.seconds < 2 * self.window_s:
             raise ValueError(f"seconds ({self.seconds:g}) must hold at least two windows of "
                              f"window_s ({self.window_s:g}): drift compares the first with "
@@ -616,15 +621,16 @@ class CostSection(Section):
     """The deployment's price, for US$ per million tokens (the perf job, the Prometheus rules):
     the price of what the validated endpoint runs on (one replica)."""
 
-    usd_per_hour: float | None = Field(None, gt=0, description="US$ per hour of the "
+    usd_per_hour: float | None = Field(None, gt=0, le=1e7, description="US$ per hour of the "
                                        "deployment (one replica, all its machines).")
-    usd_per_gpu_hour: float | None = Field(None, gt=0, description="GPU targets: US$ per GPU "
-                                           "and hour; the deployment's price is this x its "
-                                           "GPUs (tp x pp).")
+    usd_per_gpu_hour: float | None = Field(None, gt=0, le=1e4, description="GPU targets: US$ "
+                                           "per GPU and hour; the deployment's price is this x "
+                                           "its GPUs (tp x pp).")
     max_usd_per_million_tokens: float | None = Field(
-        None, gt=0, description="US$ per million tokens (input and output counted alike) "
-                                "above which the MoepipeCostPerTokenHigh alert fires and the "
-                                "perf job fails (at its cheapest load point).")
+        None, gt=0, le=1e9, description="US$ per million tokens (input and output counted "
+                                        "alike) above which the MoepipeCostPerTokenHigh alert "
+                                        "fires and the perf job fails (at its cheapest load "
+                                        "point).")
 
     @model_validator(mode="after")
     def _one_price(self):
