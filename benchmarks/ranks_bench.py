@@ -41,7 +41,7 @@ from pathlib import Path
 import yaml
 
 from moepipe.commands.build import run_build
-from moepipe.commands.deploy import repository_dir, run_deploy, state_dir
+from moepipe.commands.deploy import run_deploy, state_dir
 from moepipe.config import load_config
 from moepipe.deploy.local import lifecycle
 from moepipe.deploy.local.state import read_state
@@ -174,7 +174,7 @@ def one_world_size(root: Path, model: Path, world: int, args) -> dict:
             row["recovery_s"] = None if back is None else round(back, 2)
         return row
     finally:
-        lifecycle.stop(state_dir(cfg), repository_dir(cfg), grace=30)
+        lifecycle.stop(state_dir(cfg), grace=30)
 
 
 def main() -> None:

@@ -17,11 +17,13 @@ import json
 import sys
 import threading
 import types
+import weakref
 from pathlib import Path
 
 import numpy as np
 
 from moepipe.deploy.render.repository import SERVING_CORE, ship_serving_core
+from moepipe.deploy.render.targets import SHIPPED
 
 FINAL = 1
 
@@ -107,9 +109,11 @@ class Request:
 class _Metric:
     def __init__(self, labels, buckets=None):
         self.labels, self.value, self.observed = labels, 0.0, []
+        self.thread = None  # the thread of the last increment
 
     def increment(self, n):
         self.value += n
+        self.thread = threading.current_thread().name
 
     def set(self, value):
         self.value = value
@@ -119,15 +123,31 @@ class _Metric:
 
 
 class MetricFamily:
+    """As in the Python backend, a family that is garbage-collected takes its metrics with it:
+    :func:`families` sees only the families still referenced (weak references)."""
+
     COUNTER, GAUGE, HISTOGRAM = "COUNTER", "GAUGE", "HISTOGRAM"
+    made: list = []
 
     def __init__(self, name, description, kind):
         self.name, self.kind, self.metrics = name, kind, []
+        MetricFamily.made.append(weakref.ref(self))
 
     def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' name
         metric = _Metric(labels, buckets)
         self.metrics.append(metric)
         return metric
+
+
+def families() -> list[MetricFamily]:
+    """The metric families alive now."""
+    return [f for ref in MetricFamily.made if (f := ref()) is not None]
+
+
+def samples(name: str) -> dict[tuple, float]:
+    """sorted labels -> value of every live metric named ``name``."""
+    return {tuple(sorted(m.labels.items())): m.value for f in families()
+            if f.name == name for m in f.metrics}
 
 
 def _input(request, name):
@@ -173,15 +193,22 @@ def module(models: dict | None = None) -> types.ModuleType:
 
 
 def load_model(template: Path, tmp: Path, pb: types.ModuleType, config: dict,
-               name: str = "tensorrt_llm", version: str = "1"):
+               name: str = "tensorrt_llm", version: str = "1", settings: dict | None = None,
+               target: str | None = None):
     """``template``'s version folder (``<model>/1``) copied into ``tmp`` with the serving core
     beside it, imported with ``pb`` as ``triton_python_backend_utils``, initialized with
-    ``config`` (a model_config as the server passes it). Returns the model instance."""
+    ``config`` (a model_config as the server passes it); ``settings``: module globals set
+    before it initializes; ``target``: the modules the renderer ships beside that target's
+    models are copied too. Returns the model instance."""
     folder = tmp / "repo" / name / "1"
     folder.mkdir(parents=True)
     for path in template.iterdir():
         if path.is_file():
             (folder / path.name).write_bytes(path.read_bytes())
+    for rel, module_name in SHIPPED.get(target or "", {}).items():  # as the renderer ships
+        if Path(rel).parent.parts[-2:] == (name, version):
+            source = importlib.import_module(module_name).__file__
+            (folder / Path(rel).name).write_bytes(Path(source).read_bytes())
     ship_serving_core(tmp / "repo")
     saved_path, saved_pb = list(sys.path), sys.modules.get("triton_python_backend_utils")
     sys.modules["triton_python_backend_utils"] = pb
@@ -198,6 +225,8 @@ def load_model(template: Path, tmp: Path, pb: types.ModuleType, config: dict,
             sys.modules.pop("triton_python_backend_utils", None)
         else:
             sys.modules["triton_python_backend_utils"] = saved_pb
+    for key, value in (settings or {}).items():
+        setattr(mod, key, value)
     instance = mod.TritonPythonModel()
     instance.initialize({"model_config": json.dumps(config), "model_name": name,
                          "model_version": version})

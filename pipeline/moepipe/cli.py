@@ -291,6 +291,10 @@ def plan_cmd(model: str = typer.Argument(..., help="Checkpoint folder, config.js
                                                       help="NVLink GB/s per direction."),
              internode_gbps: float | None = typer.Option(None, "--internode-gbps",
                                                          help="Network GB/s per GPU."),
+             usd_per_gpu_hour: float | None = typer.Option(
+                 None, "--usd-per-gpu-hour", help="Price of one GPU per hour: adds US$ per "
+                 "million output tokens per mapping (roofline) and for the dense model of the "
+                 "same parameters."),
              as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
              write: Path | None = typer.Option(None, "--write", help="Also write "
                                                "aiconfigurator's inputs into this folder."),
@@ -302,7 +306,7 @@ def plan_cmd(model: str = typer.Argument(..., help="Checkpoint folder, config.js
 
     result = run_plan(PlanRequest(model, cluster, isl, osl, goal, quantize, kv_cache,
                                   kv_fraction, target, max_num_tokens, nvlink_gbps,
-                                  internode_gbps))
+                                  internode_gbps, usd_per_gpu_hour))
     written = None
     if write is not None:
         written = write_aiconfigurator(result, model_id(model), write)
@@ -316,8 +320,10 @@ def balance_cmd(metrics: str | None = typer.Option(None, "--metrics", help="A de
                                                    "metrics URL (default, with a config: its "
                                                    "own, http://HOST:METRICS_PORT/metrics)."),
                 counts: Path | None = typer.Option(None, "--counts", help="Expert token "
-                                                   "counts: JSON {\"layers\": {\"0\": [...]}}"
-                                                   " or saved metrics text."),
+                                                   "counts: JSON {\"layers\": {\"0\": [...]}},"
+                                                   " saved metrics text, or the folder "
+                                                   "TensorRT-LLM's expert statistics wrote "
+                                                   "(read with the config's mapping)."),
                 moe_ep: int | None = typer.Option(None, "--moe-ep", help="EP ranks (default: "
                                                   "the config's parallel.moe_ep)."),
                 slots: int | None = typer.Option(None, "--slots", help="Expert slots per "
@@ -328,16 +334,23 @@ def balance_cmd(metrics: str | None = typer.Option(None, "--metrics", help="A de
                 as_json: bool = typer.Option(False, "--json", help="Print the prediction as "
                                              "JSON.")) -> None:
     """Expert placement from measured load for TensorRT-LLM's MoE load balancer."""
-    from moepipe.commands.plan import format_balance, run_balance
+    from moepipe.commands.plan import dump_mapping, format_balance, run_balance
 
-    if moe_ep is None or (metrics is None and counts is None):
-        from moepipe.config import load_config
+    dump = None
+    folder = counts is not None and counts.is_dir()
+    if moe_ep is None or (metrics is None and counts is None) or folder:
+        from moepipe.config import DEFAULT_CONFIG, load_config
 
+        if folder and not (config or Path(DEFAULT_CONFIG)).is_file():
+            raise ConfigError(f"--counts {counts}: a folder is read as TensorRT-LLM's expert "
+                              "statistics, with the mapping of the deployment that wrote it",
+                              "pass -c with that deployment's moepipe.yaml")
         cfg = load_config(config)
         moe_ep = moe_ep or cfg.parallel.to_mapping().moe_ep
         if metrics is None and counts is None:
             metrics = f"http://{cfg.deploy.host}:{cfg.deploy.metrics_port}/metrics"
-    placement = run_balance(metrics, counts, moe_ep, slots, out)
+        dump = dump_mapping(cfg) if folder else None
+    placement = run_balance(metrics, counts, moe_ep, slots, out, dump)
     typer.echo(json.dumps(placement.summary(), indent=2) if as_json
                else format_balance(placement, out))
 

@@ -132,7 +132,8 @@ class ConvertSection(Section):
 QuantFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"]
 KvCacheFormat = Literal["none", "fp8", "int8"]
 # The validation jobs (moepipe.validate.registry.JOBS runs them; a test keeps the two equal).
-JobName = Literal["smoke", "accuracy", "perf", "burst", "long-tail", "balance", "recovery"]
+JobName = Literal["smoke", "accuracy", "perf", "burst", "long-tail", "balance", "recovery",
+                  "soak"]
 GPU_ONLY_FORMATS = ("w4a8_awq", "nvfp4")
 
 
@@ -232,6 +233,24 @@ class BuildSection(Section):
         return self
 
 
+class ExpertStatisticSection(Section):
+    """TensorRT-LLM's expert statistics (trtllm-pytorch): its workers count the experts they
+    route for iterations start..stop-1, write the counts when iteration ``stop`` begins (once
+    per server start), and the deployment exports them as ``moepipe_expert_tokens_total``.
+    TensorRT-LLM runs without CUDA graphs while it counts."""
+
+    start: int = Field(100, ge=0, le=MAX_REQUESTS, description="First iteration counted "
+                       "(EXPERT_STATISTIC_ITER_RANGE START; early iterations are warm-up).")
+    stop: int = Field(1100, ge=1, le=MAX_REQUESTS, description="Iteration at which the "
+                      "counts are written (STOP, not counted).")
+
+    @model_validator(mode="after")
+    def _window(self):
+        if self.start >= self.stop:
+            raise ValueError(f"start ({self.start}) must be smaller than stop ({self.stop})")
+        return self
+
+
 class TrtllmDeploySection(Section):
     """Serving knobs of the GPU targets, with TensorRT-LLM 1.2's defaults. ``trtllm-engine``
     renders them as ``tensorrt_llm`` parameters, ``trtllm-pytorch`` as LLM-API arguments;
@@ -281,6 +300,11 @@ class TrtllmDeploySection(Section):
         None, description="trtllm-pytorch: a `moepipe balance` placement file, rendered as "
                           "moe_config.load_balancer (needs parallel.attention_dp, moe_ep >= 2 "
                           "and moe_backend WIDEEP).")
+    expert_statistic: ExpertStatisticSection | None = Field(
+        None, description="trtllm-pytorch: count routed experts over an iteration window "
+                          "(TensorRT-LLM's EXPERT_STATISTIC_ITER_RANGE), exported as "
+                          "moepipe_expert_tokens_total and read by `moepipe balance`; unset: "
+                          "off.")
 
 
 # Kubernetes names (k8s.io/apimachinery validation: IsDNS1123Label, IsDNS1123Subdomain) and
@@ -572,6 +596,70 @@ class RecoverySection(Section):
                                                        "response.")
 
 
+class SoakSection(Section):
+    """A steady load held for a long time: errors, latency drift, and the trends of the
+    deployment's memory and KV use (a leak is a trend that would pass its bound over the
+    run)."""
+
+    seconds: float = Field(1800, gt=0, le=WEEK_S, description="Length of the steady load (a "
+                                                              "day: 86400).")
+    rate: float = Field(2.0, gt=0, le=MAX_RATE, description="Requests/s, Poisson arrivals.")
+    window_s: float = Field(60, gt=0, le=DAY_S, description="Latency window: drift compares "
+                            "the first with the last; the trends leave out the first (warm-up).")
+    sample_s: float = Field(5, gt=0, le=HOUR_S,
+                            description="How often memory and KV use are sampled.")
+    drain_s: float = Field(30, gt=0, le=HOUR_S, description="After the load: how long KV use "
+                           "may take to return to its idle level.")
+    max_error_rate: float = Field(0.001, ge=0, le=1, description="Gate: share of requests "
+                                  "rejected, failed, timed out or not sent.")
+    max_memory_growth_mib: float = Field(256, gt=0, le=MAX_MEMORY_GIB * 1024,
+                                         description="Gate: growth of the deployment's RSS over "
+                                         "the run, from its trend after the warm-up.")
+    max_kv_growth: float = Field(0.05, gt=0, le=1, description="Gate: growth of KV use over "
+                                 "the run, from its trend after the warm-up, as a share of the "
+                                 "KV capacity.")
+    max_p99_drift: float | None = Field(None, ge=1, le=1e6, description="Gate: p99 latency of "
+                                        "the last window / the first (unset: reported only).")
+
+    @model_validator(mode="after")
+    def _two_windows(self):
+        if self.seconds / self.sample_s > MAX_BINS:
+            raise ValueError(f"seconds / sample_s ({self.seconds:g} / {self.sample_s:g}) is more "
+                             f"than {MAX_BINS} samples; use sample_s >= "
+                             f"{self.seconds / MAX_BINS:.3g}")
+        if self.seconds < 2 * self.window_s:
+            raise ValueError(f"seconds ({self.seconds:g}) must hold at least two windows of "
+                             f"window_s ({self.window_s:g}): drift compares the first with "
+                             "the last")
+        return self
+
+
+class CostSection(Section):
+    """The deployment's price, for US$ per million tokens (the perf job, the Prometheus rules):
+    the price of what the validated endpoint runs on (one replica)."""
+
+    usd_per_hour: float | None = Field(None, gt=0, le=1e7, description="US$ per hour of the "
+                                       "deployment (one replica, all its machines).")
+    usd_per_gpu_hour: float | None = Field(None, gt=0, le=1e4, description="GPU targets: US$ "
+                                           "per GPU and hour; the deployment's price is this x "
+                                           "its GPUs (tp x pp).")
+    max_usd_per_million_tokens: float | None = Field(
+        None, gt=0, le=1e9, description="US$ per million tokens (input and output counted "
+                                        "alike) above which the MoepipeCostPerTokenHigh alert "
+                                        "fires and the perf job fails (at its cheapest load "
+                                        "point).")
+
+    @model_validator(mode="after")
+    def _one_price(self):
+        if self.usd_per_hour is not None and self.usd_per_gpu_hour is not None:
+            raise ValueError("give usd_per_hour or usd_per_gpu_hour, not both")
+        if self.max_usd_per_million_tokens is not None and self.usd_per_hour is None \
+                and self.usd_per_gpu_hour is None:
+            raise ValueError("max_usd_per_million_tokens needs a price (usd_per_hour or "
+                             "usd_per_gpu_hour)")
+        return self
+
+
 class ValidateSection(Section):
     url: str | None = Field(None, description="HTTP endpoint (default: the local deployment).")
     grpc_url: str | None = Field(None, description="gRPC endpoint host:port.")
@@ -600,6 +688,10 @@ class ValidateSection(Section):
                                     description="balance: traffic and the expert-load gate.")
     recovery: RecoverySection = Field(default_factory=RecoverySection,
                                       description="recovery: kills and the time gate.")
+    soak: SoakSection = Field(default_factory=SoakSection,
+                              description="soak: the long steady load and its gates.")
+    cost: CostSection = Field(default_factory=CostSection,
+                              description="The deployment's price: US$ per million tokens.")
 
 
 class MoepipeConfig(Section):
@@ -699,6 +791,36 @@ class MoepipeConfig(Section):
                                  f"generated tokens (build.max_seq_len {self.build.max_seq_len}"
                                  " minus a prompt token)")
         return self
+
+    @model_validator(mode="after")
+    def _expert_statistic_target(self):
+        if self.deploy.trtllm.expert_statistic is not None \
+                and not get_target(self.target).expert_statistic:
+            able = " or ".join(targets_where(lambda t: t.expert_statistic))
+            raise ValueError("deploy.trtllm.expert_statistic is TensorRT-LLM's PyTorch-backend "
+                             f"statistics; set target: {able} (the cpu target exports expert "
+                             "counts by itself)")
+        return self
+
+    @model_validator(mode="after")
+    def _gpu_price(self):
+        if self.validation.cost.usd_per_gpu_hour is not None and not get_target(self.target).gpu:
+            raise ValueError(f"validate.cost.usd_per_gpu_hour prices GPUs; the {self.target} "
+                             "target has none: give validate.cost.usd_per_hour")
+        return self
+
+    def usd_per_hour(self) -> float | None:
+        """The deployment's price per hour (``validate.cost``), GPUs counted as tp x pp."""
+        c = self.validation.cost
+        if c.usd_per_gpu_hour is not None:
+            return c.usd_per_gpu_hour * self.parallel.to_mapping().world_size
+        return c.usd_per_hour
+
+    @property
+    def expert_statistic_dir(self) -> Path:
+        """Where a local trtllm-pytorch server's TensorRT-LLM writes its expert statistics
+        (beside the deployment folder, which `moepipe deploy` replaces)."""
+        return self.workdir / "expert-statistic"
 
     @property
     def deploy_dir(self) -> Path:

@@ -18,7 +18,7 @@ import pytest
 from helpers import make_config
 
 from moepipe.commands.build import run_build
-from moepipe.commands.deploy import repository_dir, run_deploy, state_dir
+from moepipe.commands.deploy import run_deploy, state_dir
 from moepipe.deploy.local import lifecycle, processes
 
 
@@ -75,7 +75,7 @@ def _state(cfg):
 
 
 def _ranks_left(cfg):
-    return [p for p in processes.deployment_processes(repository_dir(cfg)) if p.kind == "rank"]
+    return [p for p in processes.deployment_processes(state_dir(cfg)) if p.kind == "rank"]
 
 
 @contextlib.contextmanager
@@ -87,8 +87,8 @@ def _deployed(cfg, root):
         yield cfg
     finally:
         if (state_dir(cfg) / "server.json").is_file():
-            lifecycle.stop(state_dir(cfg), repository_dir(cfg), grace=20)
-        processes.kill_all(processes.deployment_processes(repository_dir(cfg)))
+            lifecycle.stop(state_dir(cfg), grace=20)
+        processes.kill_all(processes.deployment_processes(state_dir(cfg)))
 
 
 @pytest.fixture
@@ -152,8 +152,8 @@ def test_stop_leaves_no_rank_behind_even_during_a_rank_group_restart(group):
     cfg = group
     os.kill(_state(cfg)["ranks"]["1"], signal.SIGKILL)
     time.sleep(0.3)  # the supervisor is starting the workers again
-    lifecycle.stop(state_dir(cfg), repository_dir(cfg), grace=20)
-    assert not processes.deployment_processes(repository_dir(cfg))
+    lifecycle.stop(state_dir(cfg), grace=20)
+    assert not processes.deployment_processes(state_dir(cfg))
     assert not _ranks_left(cfg)
 
 

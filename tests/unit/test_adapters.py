@@ -51,7 +51,7 @@ def _pytorch(tmp_path, decoupled, monkeypatch):
         f"triton_config: {{max_batch_size: {SLOTS}, decoupled: {str(decoupled).lower()}}}\n")
     return triton_fake.load_model(template, tmp_path, triton_fake.module(), triton_fake.config(
         SLOTS, decoupled, exclude_input_in_output="false", trtllm_container="c",
-        trtllm_version="stand-in", max_queue_size=QUEUE))
+        trtllm_version="stand-in", max_queue_size=QUEUE), target="trtllm-pytorch")
 
 
 @pytest.fixture(params=[("cpu", True), ("cpu", False), ("trtllm-pytorch", True),

@@ -24,7 +24,7 @@ import yaml
 from moepipe.config import parse_config
 from moepipe.deploy.cluster import grafana, k8s, monitoring
 from moepipe.deploy.cluster.operate import RULES_FILE, render_operations
-from moepipe.deploy.metric_names import EXPORTED, TRTLLM_FAMILIES, metrics_in
+from moepipe.deploy.metric_names import TRTLLM_FAMILIES, exported, metrics_in
 from moepipe.errors import ConfigError
 from moepipe.targets import TARGETS as REGISTERED_TARGETS
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
@@ -398,7 +398,7 @@ def test_dashboard_reads_only_exported_metrics(tmp_path, target):
         assert 0 <= panel["gridPos"]["x"] and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
         for t in panel["targets"]:
             used = metrics_in(t["expr"])
-            assert used and used <= EXPORTED[target], (panel["title"], used - EXPORTED[target])
+            assert used and used <= exported(target), (panel["title"], used - exported(target))
     titles = " | ".join(p["title"] for p in dash["panels"])
     for wanted in ("Request rate", "Latency percentiles", "Queue time"):
         assert wanted in titles

@@ -62,18 +62,29 @@ def _tensorrt_llm():
     return trt
 
 
-@pytest.fixture(params=[True, False], ids=["decoupled", "not-decoupled"])
-def model(request, monkeypatch, tmp_path):
+def _load(monkeypatch, tmp_path, decoupled, model_yaml="", **extra):
+    """The model as Triton loads it: model.py and model.yaml in the version folder, beside
+    them the serving core and the modules the renderer ships
+    (moepipe.deploy.render.targets.SHIPPED)."""
     monkeypatch.setitem(sys.modules, "tensorrt_llm", _tensorrt_llm())
+    monkeypatch.setattr(triton_fake.MetricFamily, "made", [])
+    monkeypatch.delitem(sys.modules, "expert_statistic", raising=False)
     template = tmp_path / "template"
     template.mkdir()
     (template / "model.py").write_text((TEMPLATE / "model.py").read_text())
     (template / "model.yaml").write_text(
-        f"triton_config: {{max_batch_size: 4, decoupled: {str(request.param).lower()}}}\n")
-    instance = triton_fake.load_model(
+        f"triton_config: {{max_batch_size: 4, decoupled: {str(decoupled).lower()}}}\n"
+        + model_yaml)
+    return triton_fake.load_model(
         template, tmp_path, triton_fake.module(), triton_fake.config(
-            4, request.param, exclude_input_in_output="false", trtllm_container="c",
-            trtllm_version="stand-in", max_queue_size="1"))
+            4, decoupled, exclude_input_in_output="false", trtllm_container="c",
+            trtllm_version="stand-in", max_queue_size="1", **extra),
+        settings={"STATISTIC_POLL_S": 0.05}, target="trtllm-pytorch")
+
+
+@pytest.fixture(params=[True, False], ids=["decoupled", "not-decoupled"])
+def model(request, monkeypatch, tmp_path):
+    instance = _load(monkeypatch, tmp_path, request.param)
     yield instance
     instance.finalize()
 
@@ -171,3 +182,53 @@ def test_generations_beyond_the_slots_and_the_queue_bound_are_refused_as_busy(mo
         time.sleep(0.01)
     sent = _run(model, _Request(**_inputs([[10, 11]], 2)))
     assert sent[-1][0].outputs["output_ids"][0][0].tolist() == [10, 11, 12, 13]
+
+
+def test_generated_and_prompt_tokens_are_counted(model):
+    _run(model, _Request(**_inputs([[10, 11]], 3)))
+    _run(model, _Request(**_inputs([[7]], 2)))
+    key = (("model", "tensorrt_llm"),)
+    for _ in range(200):  # counted when the generation's coroutine ends
+        if triton_fake.samples("moepipe_generated_tokens_total").get(key) == 5:
+            break
+        time.sleep(0.01)
+    assert triton_fake.samples("moepipe_generated_tokens_total") == {key: 5}
+    assert triton_fake.samples("moepipe_prompt_tokens_total") == {key: 3}
+
+
+def test_expert_statistics_are_exported_once_tensorrt_llm_writes_them(monkeypatch, tmp_path):
+    """deploy.trtllm.expert_statistic: model.py gives TensorRT-LLM the window and folder where
+    the server's environment lacks them, waits for this run's dump (upstream's format, as
+    tests/unit/trtllm_dump.py writes it), combines the ranks (attention DP here) and exports
+    moepipe_expert_tokens_total from the request loop's thread."""
+    import os
+
+    from trtllm_dump import simulate
+
+    for key in ("EXPERT_STATISTIC_ITER_RANGE", "EXPERT_STATISTIC_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    folder = tmp_path / "stats"
+    model = _load(monkeypatch, tmp_path, True,
+                  "tensor_parallel_size: 2\npipeline_parallel_size: 1\n"
+                  "enable_attention_dp: true\nmoe_config: {load_balancer: null}\n",
+                  expert_statistic_iters="2-5", expert_statistic_path=str(folder))
+    try:
+        assert os.environ["EXPERT_STATISTIC_ITER_RANGE"] == "2-5"
+        assert os.environ["EXPERT_STATISTIC_PATH"] == str(folder)
+        time.sleep(0.2)
+        assert not triton_fake.samples("moepipe_expert_tokens_total")  # nothing written yet
+        truth = simulate(folder, tp=2, pp=1, attention_dp=True, layers=[1, 2], experts=4,
+                         top_k=2, span="2-5")
+        for _ in range(200):
+            if triton_fake.samples("moepipe_expert_tokens_total"):
+                break
+            time.sleep(0.02)
+        got = triton_fake.samples("moepipe_expert_tokens_total")
+        assert got == {(("expert", str(e)), ("layer", str(layer)), ("model", "tensorrt_llm"),
+                        ("window", "2-5")): int(truth[layer][e])
+                       for layer in (1, 2) for e in range(4)}
+        threads = {m.thread for f in triton_fake.families() for m in f.metrics
+                   if f.name == "moepipe_expert_tokens_total"}
+        assert threads == {"moepipe-trtllm-requests"}
+    finally:
+        model.finalize()

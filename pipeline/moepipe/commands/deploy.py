@@ -54,7 +54,14 @@ def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:
                      "version before starting)")
     else:
         server = ServerCommand.of(cfg, repo)
-        lines.append(f"  in the container: {shlex.join(['tritonserver', *server.args()])}")
+        env = ""
+        window = cfg.deploy.trtllm.expert_statistic
+        if window is not None:  # TensorRT-LLM's workers read it from the server's environment
+            from moepipe.trtllm.expert_statistic import environment
+
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in environment(
+                window.start, window.stop, str(cfg.expert_statistic_dir)).items()) + " "
+        lines.append(f"  in the container: {env}{shlex.join(['tritonserver', *server.args()])}")
     lines.append("  then: moepipe validate --url HOST:PORT --grpc-url HOST:PORT")
     return "\n".join(lines)
 

@@ -74,6 +74,7 @@ TRTLLM_BACKEND = {*TRTLLM_FAMILIES, *_histogram("nv_llm_input_token_len"),
 # The cpu target's own (model_repo/targets/cpu/.../tensorrt_llm/1/model.py) and the
 # TensorRT-LLM families it also exports, with the same labels (moepipe.serving.trtllm_metrics).
 MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
+               "moepipe_prompt_tokens_total",
                "moepipe_running_requests",
                # moepipe.serving.metrics (HISTOGRAMS, GAUGES)
                *_histogram("moepipe_request_latency_seconds"),
@@ -96,16 +97,24 @@ GROUPS: dict[str, set[str]] = {
     "triton-gpu": TRITON_GPU,
     "trtllm-backend": TRTLLM_BACKEND,
     "moepipe-cpu": MOEPIPE_CPU | set(CPU_TRTLLM_FAMILIES),
+    # moepipe's trtllm-pytorch model (targets/trtllm-pytorch/.../model.py) counts the tokens of
+    # prompts and generations: TensorRT-LLM's LLM-API Python model registers no nv_trt_llm_*
+    "moepipe-tokens": {"moepipe_generated_tokens_total", "moepipe_prompt_tokens_total"},
 }
 # Groups only decoupled models report (Triton's first-response histogram).
 DECOUPLED_ONLY = {"triton-first-response"}
 
 
-def exported(target: str, decoupled: bool = True) -> set[str]:
+def exported(target: str, decoupled: bool = True, expert_statistic: bool = False) -> set[str]:
     """Metric names the deployment of ``target`` exports (``decoupled``: its models' transaction
-    policy, deploy.decoupled)."""
-    return {name for group in get_target(target).metrics
-            if decoupled or group not in DECOUPLED_ONLY for name in GROUPS[group]}
+    policy, deploy.decoupled; ``expert_statistic``: TensorRT-LLM's expert statistics are
+    collected, on a target whose expert counts are that window: ``Target.expert_counts``)."""
+    t = get_target(target)
+    names = {name for group in t.metrics
+             if decoupled or group not in DECOUPLED_ONLY for name in GROUPS[group]}
+    if expert_statistic and t.expert_counts == "window":
+        names.add("moepipe_expert_tokens_total")
+    return names
 
 
 EXPORTED = {name: exported(name) for name in TARGETS}

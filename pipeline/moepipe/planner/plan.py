@@ -21,6 +21,7 @@ from moepipe.planner.hardware import Cluster
 from moepipe.sizing.shapes import ModelShape, load_shape, model_shape
 from moepipe.sizing.weights import FORMATS, Sharding, model_bytes
 from moepipe.targets import Target, get_target
+from moepipe.utils.cost import usd_per_million
 
 # Published config.json files shipped with moepipe (plan without downloading anything):
 # mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, deepseek-ai/DeepSeek-V3
@@ -47,6 +48,14 @@ class Plan:
     candidates: list[Estimate]
     host_memory: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    usd_per_gpu_hour: float | None = None  # prices the roofline's throughput
+    dense: Plan | None = None  # the dense model of the same parameters, same cluster
+
+    def usd_per_million_output_tokens(self, e: Estimate) -> float | None:
+        """US$ per million output tokens of a mapping at its roofline throughput."""
+        if self.usd_per_gpu_hour is None or not e.fits:
+            return None
+        return usd_per_million(self.usd_per_gpu_hour, e.tokens_per_s_per_gpu)
 
     @property
     def best(self) -> Estimate | None:
@@ -93,8 +102,12 @@ def host_memory(model: ModelShape) -> dict[str, int]:
 
 
 def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
-              target: str = "trtllm-pytorch") -> Plan:
-    """Estimate and rank every legal mapping of ``model`` on ``cluster``."""
+              target: str = "trtllm-pytorch", usd_per_gpu_hour: float | None = None) -> Plan:
+    """Estimate and rank every legal mapping of ``model`` on ``cluster``; with a price, also
+    plan the dense model of the same parameters (:meth:`ModelShape.dense`) to compare."""
+    if usd_per_gpu_hour is not None and not 0 < usd_per_gpu_hour < float("inf"):
+        raise ConfigError(f"--usd-per-gpu-hour {usd_per_gpu_hour:g} is not a price",
+                          "a positive number of US$, e.g. 2.5")
     if workload.goal not in GOALS:
         raise ConfigError(f"goal '{workload.goal}' is unknown", f"choose {' or '.join(GOALS)}")
     served = get_target(target)  # an unknown target lists the supported ones
@@ -127,7 +140,11 @@ def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
             e.problems.append(refusal)
     fitting = sorted((e for e in ests if e.fits), key=key)
     others = sorted((e for e in ests if not e.fits), key=lambda e: e.weights)
-    return Plan(model, cluster, workload, target, fitting + others, host_memory(model))
+    plan = Plan(model, cluster, workload, target, fitting + others, host_memory(model),
+                usd_per_gpu_hour=usd_per_gpu_hour)
+    if usd_per_gpu_hour is not None and model.num_experts > 1:
+        plan.dense = make_plan(model.dense(), cluster, workload, target, usd_per_gpu_hour)
+    return plan
 
 
 def _not_served(model: ModelShape, target: Target) -> str | None:

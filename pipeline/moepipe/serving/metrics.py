@@ -90,7 +90,8 @@ class ServingMetrics:
 
 class EngineCounters:
     """``moepipe_expert_tokens_total{model,layer,expert}`` (tokens routed to each expert of each
-    MoE layer), ``moepipe_generated_tokens_total{model}`` and ``moepipe_running_requests``.
+    MoE layer), ``moepipe_generated_tokens_total{model}``, ``moepipe_prompt_tokens_total{model}``
+    (prompt tokens of admitted requests) and ``moepipe_running_requests``.
     ``delta`` runs on the engine thread, ``publish`` off it (like ``ServingMetrics``)."""
 
     def __init__(self, pb_utils: Any, model_name: str, model: Any):
@@ -101,14 +102,18 @@ class EngineCounters:
             mf(name="moepipe_generated_tokens_total", description="Tokens generated",
                kind=mf.COUNTER),
             mf(name="moepipe_running_requests", description="Requests in the running batch",
-               kind=mf.GAUGE)]
-        experts, tokens, running = self._families
+               kind=mf.GAUGE),
+            mf(name="moepipe_prompt_tokens_total",
+               description="Prompt tokens of admitted requests", kind=mf.COUNTER)]
+        # (the families stay referenced: the backend deletes a collected family's metrics)
+        experts, tokens, running, prompt = self._families
         self.experts = [[experts.Metric(labels={"model": model_name, "layer": str(layer),
                                                 "expert": str(e)})
                          for e in range(model.num_experts)]
                         for layer in range(model.ckpt.num_layers)]  # a stage: all layers
         self.tokens = tokens.Metric(labels={"model": model_name})
         self.running = running.Metric(labels={"model": model_name})
+        self.prompt = prompt.Metric(labels={"model": model_name})
         self._last = model.expert_tokens.clone()
 
     def delta(self, model: Any) -> list[list[int]]:
@@ -129,5 +134,5 @@ class EngineCounters:
 
     def close(self) -> None:
         self.experts.clear()
-        del self.tokens, self.running
+        del self.tokens, self.running, self.prompt
         self._families.clear()

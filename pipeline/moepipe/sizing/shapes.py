@@ -20,6 +20,7 @@ Sharding (TensorRT-LLM 1.2, ``tensorrt_llm/mapping.py`` and the model's ``conver
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -223,6 +224,14 @@ class ModelShape:
         """Parameters one token passes through: top_k of the routed experts."""
         per_expert = 3 * self.hidden_size * self.expert_intermediate_size
         return self.parameters() - self.moe_layers * (self.num_experts - self.top_k) * per_expert
+
+    def dense(self) -> ModelShape:
+        """The dense model of the same parameters: one expert as wide as all of them, which
+        every token passes through (the router's ``E x hidden`` weights aside)."""
+        return dataclasses.replace(
+            self, name=f"{self.name} (dense)", num_experts=1, top_k=1,
+            expert_intermediate_size=self.num_experts * self.expert_intermediate_size,
+            routing_bias=False, router_bias=False)
 
     def largest_tensor_bytes(self) -> int:
         """Largest single tensor of the Hugging Face checkpoint (per expert matrix)."""

@@ -54,6 +54,14 @@ class Target:
     metrics: tuple[str, ...]
     attention_dp: bool = False  # parallel.attention_dp (LLM API enable_attention_dp)
     expert_placement: bool = False  # deploy.trtllm.expert_placement (MoE load balancer)
+    # deploy.trtllm.expert_statistic: TensorRT-LLM's PyTorch backend counts routed tokens
+    # itself (EXPERT_STATISTIC_*; moepipe.trtllm.expert_statistic reads its files)
+    expert_statistic: bool = False
+    # What its moepipe_expert_tokens_total counts: "live" - every routed token since the model
+    # started (rates are the current load); "window" - TensorRT-LLM's expert statistics of one
+    # iteration window (deploy.trtllm.expert_statistic), exported once written, constant after,
+    # with a ``window="START-STOP"`` label; None - no expert counts.
+    expert_counts: Literal["live", "window"] | None = None
     # The least time its pods get to load the model (GPU targets load for minutes).
     min_startup_s: int = 0
 

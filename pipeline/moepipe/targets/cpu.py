@@ -16,4 +16,5 @@ TARGET = Target(
     image="moepipe",
     python_model=True,
     metrics=("triton", "triton-summaries", "moepipe-cpu"),
+    expert_counts="live",
 )

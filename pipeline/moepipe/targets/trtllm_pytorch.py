@@ -17,8 +17,11 @@ TARGET = Target(
     image="triton",
     python_model=True,
     # TensorRT-LLM's LLM-API Python model registers no nv_trt_llm_* metrics.
-    metrics=("triton", "triton-summaries", "triton-first-response", "triton-gpu"),
+    metrics=("triton", "triton-summaries", "triton-first-response", "triton-gpu",
+             "moepipe-tokens"),
     attention_dp=True,
     expert_placement=True,
+    expert_statistic=True,
+    expert_counts="window",
     min_startup_s=900,
 )

@@ -60,6 +60,7 @@ class Sample:
     first: float | None = None  # first response carrying tokens
     done: float | None = None  # final response, error or timeout
     tokens: int = 0  # the server's num_output_tokens, summed over the streamed responses
+    input_tokens: int = 0  # the server's num_input_tokens (the prompt as it was tokenized)
     responses: int = 0
     error: str = ""
     # HTTP: when the request's last byte was handed to the socket (connected, written); a
@@ -133,13 +134,14 @@ def _request(pb, model: str, rid: str, prompt: Prompt):
     spec = [("text_input", "BYTES", _bytes_tensor([prompt.text.encode()])),
             ("max_tokens", "INT32", np.array([prompt.max_tokens], np.int32).tobytes()),
             ("stream", "BOOL", b"\x01"),
-            ("return_num_output_tokens", "BOOL", b"\x01")]
+            ("return_num_output_tokens", "BOOL", b"\x01"),
+            ("return_num_input_tokens", "BOOL", b"\x01")]
     for name, dtype, raw in spec:
         t = req.inputs.add()
         t.name, t.datatype = name, dtype
         t.shape.extend([1, 1])
         req.raw_input_contents.append(raw)
-    for name in ("text_output", "num_output_tokens"):
+    for name in ("text_output", "num_output_tokens", "num_input_tokens"):
         req.outputs.add().name = name
     # Decoupled models may end with an empty response that only carries the final flag.
     req.parameters["triton_enable_empty_final_response"].bool_param = True
@@ -210,6 +212,8 @@ class _Client:
                     # streaming: each response counts the ids it carries (TensorRT-LLM's
                     # contract), so the request's tokens are the sum
                     s.tokens += int(np.frombuffer(raw, np.int32)[0])
+                elif out.name == "num_input_tokens" and len(raw) >= 4:
+                    s.input_tokens = max(s.input_tokens, int(np.frombuffer(raw, np.int32)[0]))
             final = r.parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 s.status, s.done = "ok", now
@@ -237,7 +241,8 @@ class _HttpClient:
     async def send(self, prompt: Prompt) -> Sample:
         s = Sample(prompt.kind, self.now())
         body = json.dumps({"text_input": prompt.text, "max_tokens": prompt.max_tokens,
-                           "stream": True, "return_num_output_tokens": True}).encode()
+                           "stream": True, "return_num_output_tokens": True,
+                           "return_num_input_tokens": True}).encode()
         try:
             await asyncio.wait_for(self._exchange(body, s), self.timeout_s)
         except asyncio.TimeoutError:
@@ -287,6 +292,10 @@ class _HttpClient:
             n = n[0] if isinstance(n, list) else n
             if n is not None:  # per response when streaming, as over gRPC
                 s.tokens += int(n)
+            n = event.get("num_input_tokens")
+            n = n[0] if isinstance(n, list) else n
+            if n is not None:
+                s.input_tokens = max(s.input_tokens, int(n))
         return ""
 
     async def close(self) -> None:

@@ -38,6 +38,10 @@ from moepipe.deploy.tritonserver import RAISE_STACK, ServerCommand
 from moepipe.errors import ConfigError
 from moepipe.targets import get_target, targets_where
 
+# Where a pod's TensorRT-LLM writes its expert statistics (an emptyDir: the workdir is mounted
+# read-only); `kubectl cp` copies the folder out for `moepipe balance --counts`, or `moepipe
+# balance --metrics` reads the counts the pod exports.
+EXPERT_STATISTIC_DIR = "/var/lib/moepipe/expert-statistic"
 # Labels every object carries; the selector uses the first two.
 APP_LABEL = "app.kubernetes.io/name"
 PART_LABEL = "app.kubernetes.io/part-of"
@@ -115,6 +119,8 @@ class PodPlan:
     startup_s: int
     exit_timeout_s: int
     rank_port: int = 0  # cpu target: where rank 0 listens for the other ranks
+    env: tuple[tuple[str, str], ...] = ()  # the server's environment (its ranks inherit it)
+    scratch: tuple[str, ...] = ()  # writable folders (emptyDir): the workdir is read-only
 
 
 def _mi(mib: int) -> str:
@@ -153,6 +159,9 @@ def container(plan: PodPlan, name: str, command: list[str], *, serving: bool) ->
                          {"name": "workdir", "mountPath": str(plan.workdir),
                           "readOnly": True}],
     }
+    c["env"] += [{"name": k, "value": v} for k, v in plan.env]
+    c["volumeMounts"] += [{"name": f"scratch-{i}", "mountPath": path}
+                          for i, path in enumerate(plan.scratch)]
     if serving:
         c["ports"] = [{"name": n, "containerPort": plan.ports[n], "protocol": "TCP"}
                       for n in PORT_NAMES]
@@ -177,6 +186,7 @@ def pod_spec(plan: PodPlan, containers: list[dict], service_account: str | None 
             *(v for v, _ in pod_security.writable_volumes(plan.shm_mib)),
             {"name": "workdir", "persistentVolumeClaim": {"claimName": plan.volume_claim,
                                                           "readOnly": True}},
+            *({"name": f"scratch-{i}", "emptyDir": {}} for i in range(len(plan.scratch))),
         ],
         "automountServiceAccountToken": api_access,
     }

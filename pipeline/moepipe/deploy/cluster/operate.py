@@ -18,7 +18,9 @@ ports, exit timeout             ``deploy.<http,grpc,metrics>_port``, ``deploy.ex
 server flags                    :class:`moepipe.deploy.tritonserver.ServerCommand`, on 0.0.0.0
 autoscaler, budget              ``deploy.k8s.{min,max}_replicas``, ``autoscale_metric``,
                                 ``autoscale_target``
-rules, scrape config            ``deploy.monitoring``
+rules, scrape config            ``deploy.monitoring``; the cost rules: ``validate.cost``
+environment, scratch folder     ``deploy.trtllm.expert_statistic``: TensorRT-LLM's
+                                ``EXPERT_STATISTIC_*`` variables, an emptyDir to write into
 =============================== ==============================================================
 """
 
@@ -38,6 +40,7 @@ from moepipe.sizing.pods import pod_memory_mib
 from moepipe.sizing.shapes import load_shape
 from moepipe.sizing.weights import Sharding
 from moepipe.targets import get_target
+from moepipe.trtllm.expert_statistic import environment
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
 RULES_FILE = "moepipe-rules.yml"
@@ -83,6 +86,9 @@ def plan(cfg: MoepipeConfig) -> tuple[k8s.PodPlan, k8s.Shape]:
     shape = k8s.shape(cfg.target, world, kc.gpus_per_node)
     memory = pod_memory(cfg)
     startup = max(int(d.ready_timeout_s), get_target(cfg.target).min_startup_s)
+    window = d.trtllm.expert_statistic
+    env = {} if window is None else environment(window.start, window.stop,
+                                                k8s.EXPERT_STATISTIC_DIR)
     return k8s.PodPlan(
         name=k8s.check_name(kc.name, "deploy.k8s.name"),
         image=kc.image or default_image(cfg.target), target=cfg.target,
@@ -93,7 +99,8 @@ def plan(cfg: MoepipeConfig) -> tuple[k8s.PodPlan, k8s.Shape]:
         ports={"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port},
         gpus=shape.gpus_per_pod, cpu=f"{kc.cpus:g}", memory_mib=memory,
         shm_mib=k8s.shm_mib(python_instances(cfg)), volume_claim=kc.volume_claim,
-        startup_s=startup, exit_timeout_s=d.exit_timeout_s, rank_port=d.rank_port), shape
+        startup_s=startup, exit_timeout_s=d.exit_timeout_s, rank_port=d.rank_port,
+        env=tuple(env.items()), scratch=(k8s.EXPERT_STATISTIC_DIR,) if env else ()), shape
 
 
 def render_operations(cfg: MoepipeConfig, out: Path) -> list[Path]:
@@ -112,7 +119,12 @@ def render_operations(cfg: MoepipeConfig, out: Path) -> list[Path]:
                              slo_p99_ms=mc.slo_p99_ms, max_error_ratio=mc.max_error_ratio,
                              max_queue_ms=mc.max_queue_ms,
                              max_expert_imbalance=mc.max_expert_imbalance,
-                             exported=exported(cfg.target, cfg.deploy.decoupled))
+                             exported=exported(
+                                 cfg.target, decoupled=cfg.deploy.decoupled,
+                                 expert_statistic=cfg.deploy.trtllm.expert_statistic is not None),
+                             usd_per_hour=cfg.usd_per_hour(),
+                             max_usd_per_million_tokens=(
+                                 cfg.validation.cost.max_usd_per_million_tokens))
     files = {
         RULES_FILE: monitoring.dump(rules),
         "prometheus.yml": monitoring.dump(monitoring.scrape_config(
@@ -123,7 +135,8 @@ def render_operations(cfg: MoepipeConfig, out: Path) -> list[Path]:
             kc.autoscale_metric)),
         "grafana-dashboard.json": json.dumps(grafana.dashboard(
             cfg.target, f"moepipe {pod.name} ({cfg.target})", f"moepipe-{pod.name}",
-            fallback=cfg.deploy.fallback is not None, decoupled=cfg.deploy.decoupled),
+            fallback=cfg.deploy.fallback is not None, decoupled=cfg.deploy.decoupled,
+            expert_statistic=cfg.deploy.trtllm.expert_statistic is not None),
             indent=2) + "\n",
     }
     for name, text in files.items():

@@ -18,7 +18,7 @@ from moepipe.deploy.cluster.operate import render_operations
 from moepipe.deploy.local.ranks import MANIFEST
 from moepipe.deploy.render import loadtest
 from moepipe.deploy.render.fallback import bls_values, render_fallback
-from moepipe.deploy.render.targets import Artifacts, values_of
+from moepipe.deploy.render.targets import SHIPPED, Artifacts, values_of
 from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, flag
 from moepipe.deploy.render.templates import check_repository, render_tree, templates_root
 from moepipe.errors import MoepipeError
@@ -74,6 +74,18 @@ def ship_serving_core(repo: Path) -> list[Path]:
     return written
 
 
+def ship_modules(modules: dict[str, str], out: Path) -> None:
+    """Copy each module's source file to its path under ``out``."""
+    import importlib
+
+    for rel, name in modules.items():
+        source = importlib.import_module(name).__file__
+        if source is None:
+            raise MoepipeError(f"module {name} has no source file to ship")
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, out / rel)
+
+
 def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True,
                       fallback: tuple[MoepipeConfig, Artifacts] | None = None) -> Path:
     """Write ``cfg.deploy_dir`` for ``cfg.target``; returns the model repository path.
@@ -90,6 +102,7 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
         values.update(target_values(cfg, art, out))
         copy_tokenizer(art.model_dir, tmp / "tokenizer")
         render_tree([root / "common", root / "targets" / target], values, tmp)
+        ship_modules(SHIPPED.get(target, {}), tmp)
         repo = tmp / "model_repo"
         if fallback is not None:
             fb_cfg, fb_art = fallback

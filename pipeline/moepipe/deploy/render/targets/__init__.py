@@ -3,6 +3,8 @@
 What a target needs and supports is declared in :mod:`moepipe.targets`; here is only how its
 templates (``model_repo/targets/<name>/``) are filled. A declared target without a module here
 cannot be rendered (a unit test keeps the two registries equal).
+``SHIPPED``: plain moepipe modules a target's Python models import from beside them (NVIDIA's
+container has no moepipe), by path in the deployment folder.
 """
 
 from __future__ import annotations
@@ -36,4 +38,9 @@ def values_of(target: str) -> Values:
                            f"renderable: {', '.join(VALUES)}") from None
 
 
-__all__ = ["VALUES", "Artifacts", "Values", "values_of"]
+SHIPPED: dict[str, dict[str, str]] = {
+    "trtllm-pytorch": {"model_repo/tensorrt_llm/1/expert_statistic.py":
+                       "moepipe.trtllm.expert_statistic"},
+}
+
+__all__ = ["SHIPPED", "VALUES", "Artifacts", "Values", "values_of"]

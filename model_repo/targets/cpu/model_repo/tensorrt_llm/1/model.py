@@ -6,9 +6,9 @@ of a request, FINAL with the last response, ``stop`` by request id, refusals wit
 texts and codes, busy refusals. This file runs each generation on moepipe's in-flight batcher
 (``moepipe.serving.batcher``) over the reference runtime; the engine thread only records, and
 responses are built and sent on the core's outbox thread. Metrics: expert routing
-(``moepipe_expert_tokens_total{model,layer,expert}``), latency / TTFT / queue histograms and
-occupancy gauges (``moepipe.serving.metrics``), TensorRT-LLM's own families
-(``moepipe.serving.trtllm_metrics``).
+(``moepipe_expert_tokens_total{model,layer,expert}``), generated and prompt tokens, latency /
+TTFT / queue histograms and occupancy gauges (``moepipe.serving.metrics``), TensorRT-LLM's own
+families (``moepipe.serving.trtllm_metrics``).
 
 World size > 1: this model is rank 0 of a rank group (``moepipe.ranks.leader``), loading only
 ``rank0.safetensors``; ``initialize`` returns once the workers have joined. A lost rank ends
@@ -132,6 +132,8 @@ class TritonPythonModel:
 
     def run(self, reqs):
         self.engine.submit_all(reqs)  # all or none: RequestError, Busy, RankGroupLost
+        self.frontend.outbox.put(self.counters.prompt.increment,
+                                 sum(len(r.prompt) for r in reqs))
 
     def stop(self, reqs):
         for req in reqs:  # ended at the engine's next step, with what they generated

@@ -11,6 +11,12 @@ refusals with the same texts and codes, and the bound on held generations
 ``initialize``, so a server without it fails with one line naming the container to use. Stop /
 bad words of one token go to TensorRT-LLM as token ids, longer ones as their decoded text,
 which TensorRT-LLM encodes again.
+
+Metrics: ``moepipe_generated_tokens_total{model}``, ``moepipe_prompt_tokens_total{model}``;
+with TensorRT-LLM's expert statistics (``expert_statistic_iters``),
+``moepipe_expert_tokens_total{model,layer,expert,window}`` once TensorRT-LLM has written the
+window's counts (``expert_statistic.py`` beside this file reads them). Metric calls are made on
+the request loop's thread only.
 """
 
 import asyncio
@@ -18,15 +24,20 @@ import json
 import os
 import sys
 import threading
+import time
 
 import triton_python_backend_utils as pb_utils
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import expert_statistic  # noqa: E402 - beside this file (moepipe.trtllm.expert_statistic)
 from serving_core import checks, contract, responses  # noqa: E402 - shipped beside this file
 from serving_core.admission import Admission  # noqa: E402
 from serving_core.frontend import Frontend  # noqa: E402
 from serving_core.triton import flag, parameters  # noqa: E402
+
+# How often the folder of TensorRT-LLM's expert statistics is looked at until they are written.
+STATISTIC_POLL_S = 5.0
 
 # How often a running generation looks at its client's cancellation (polled by the outbox).
 CANCEL_CHECK_S = 0.1
@@ -52,6 +63,9 @@ class TritonPythonModel:
                                f"(max_batch_size {cfg['max_batch_size']}, decoupled "
                                f"{decoupled}); render the deployment again with "
                                "`moepipe deploy`")
+        self.name = args.get("model_name", "tensorrt_llm")
+        self.started = time.time() - 1.0  # a dump older than this is an earlier run's
+        self._statistic_environment(params)
         try:
             import tensorrt_llm
             import torch
@@ -77,10 +91,72 @@ class TritonPythonModel:
         self.frontend = Frontend(pb_utils, self, decoupled=decoupled,
                                  exclude_default=flag(params["exclude_input_in_output"]),
                                  features=contract.TRTLLM_PYTORCH, limits=checks.Limits())
+        # Families stay referenced: the backend deletes a collected family with its metrics.
+        counter = pb_utils.MetricFamily.COUNTER
+        self.families = [pb_utils.MetricFamily(name="moepipe_generated_tokens_total",
+                                               description="Tokens generated", kind=counter),
+                         pb_utils.MetricFamily(name="moepipe_prompt_tokens_total",
+                                               description="Prompt tokens of admitted requests",
+                                               kind=counter)]
+        self.tokens_metric, self.prompt_metric = (f.Metric(labels={"model": self.name})
+                                                  for f in self.families)
+        self.expert_metrics = []
+        if os.environ.get(expert_statistic.ENV_ITER_RANGE):
+            asyncio.run_coroutine_threadsafe(self._export_expert_statistic(llm_args), self.loop)
 
     @property
     def held(self):
         return self.admission.held
+
+    def _statistic_environment(self, params):
+        """TensorRT-LLM's workers read EXPERT_STATISTIC_*: the launch path sets them; where the
+        server was started without them, they are set here, before tensorrt_llm starts its
+        workers (which inherit this environment). A value the server was given wins."""
+        window = params.get("expert_statistic_iters") or ""
+        if not window:
+            return
+        for key, value in ((expert_statistic.ENV_ITER_RANGE, window),
+                           (expert_statistic.ENV_PATH, params["expert_statistic_path"])):
+            given = os.environ.get(key)
+            if given is None:
+                os.environ[key] = value
+            elif given != value:
+                pb_utils.Logger.log_warn(f"{key}={given} from the server's environment, not "
+                                         f"{value} as rendered")
+
+    async def _export_expert_statistic(self, llm_args):
+        """Wait for TensorRT-LLM's expert statistics of this run, then export them."""
+        lb = (llm_args.get("moe_config") or {}).get("load_balancer") or {}
+        watcher = expert_statistic.DumpWatcher(
+            os.environ.get(expert_statistic.ENV_PATH, expert_statistic.DEFAULT_PATH),
+            tp=int(llm_args.get("tensor_parallel_size") or 1),
+            pp=int(llm_args.get("pipeline_parallel_size") or 1),
+            attention_dp=bool(llm_args.get("enable_attention_dp")),
+            assignments=lb.get("initial_global_assignments"), started=self.started)
+        counts = None
+        while counts is None:
+            await asyncio.sleep(STATISTIC_POLL_S)
+            try:  # file reads off the loop: requests keep being served meanwhile
+                counts = await self.loop.run_in_executor(None, watcher.poll)
+            except expert_statistic.StatisticError as e:
+                pb_utils.Logger.log_warn(f"expert statistics not exported: {e.message} "
+                                         f"({e.hint})")
+                return
+        family = pb_utils.MetricFamily(  # kept in self.families (see initialize)
+            name="moepipe_expert_tokens_total",
+            description="Tokens routed to each expert of each MoE layer in TensorRT-LLM's "
+                        "expert-statistic window (iterations START-STOP)",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self.families.append(family)
+        window = os.environ[expert_statistic.ENV_ITER_RANGE]
+        for layer, row in counts.layers.items():
+            for e, n in enumerate(row):
+                metric = family.Metric(labels={"model": self.name, "layer": str(layer),
+                                               "expert": str(e), "window": window})
+                metric.increment(n)
+                self.expert_metrics.append(metric)
+        pb_utils.Logger.log_info(f"expert statistics of iterations {window} exported: "
+                                 f"{len(counts.layers)} MoE layers")
 
     def execute(self, requests):
         self.frontend.execute(requests)
@@ -126,6 +202,7 @@ class TritonPythonModel:
 
     async def _serve(self, g):
         row, streaming, sent, done, watch = g.job.row, g.job.row.streaming, 0, False, None
+        self.prompt_metric.increment(len(row.prompt))
         try:
             if g.stopped:  # by a `stop` before it started: what it generated, nothing
                 self.frontend.respond(g.group, g.job, self._result(row, []), True)
@@ -155,6 +232,10 @@ class TritonPythonModel:
                 done = True
         finally:
             self.admission.leave(g)
+            generated = len(g.result.outputs[0].token_ids) if g.result is not None \
+                and g.result.outputs else 0
+            if generated:
+                self.tokens_metric.increment(generated)
             if watch is not None:
                 watch.cancel()
             if not done:  # cancelled, or finished without a new token
