@@ -332,7 +332,8 @@ def build(config: Path | None = ConfigOpt,
 
     # the dry-run plan is the command's output: printed even with -q (unless it is --json)
     say = _say(True) if as_json else typer.echo if dry_run else _echo
-    result = run_build(config, echo=say, force=_values(force), dry_run=dry_run, until=until)
+    result = run_build(config, echo=say, force=_values(force), dry_run=dry_run, until=until,
+                       progress=False if _state.get("quiet") else None)
     if as_json:
         _emit({"dry_run": dry_run, **result})
 

@@ -112,13 +112,17 @@ def _layer_params(spec: ModelSpec, tp: int, kv_heads: int, experts: int, expert_
     return params
 
 
+def layer_params(spec: ModelSpec) -> int:
+    """Parameters of one (MoE) decoder layer, as counted in its Hugging Face checkpoint."""
+    return _layer_params(spec, 1, spec.num_kv_heads, spec.num_experts,
+                         spec.expert_intermediate_size)
+
+
 def model_params(spec: ModelSpec) -> int:
     """Parameters of the whole model (as counted in its Hugging Face checkpoint); q/k norms of
     a few hundred elements per layer are left out here and per rank alike."""
     outer = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    layer = _layer_params(spec, 1, spec.num_kv_heads, spec.num_experts,
-                          spec.expert_intermediate_size)
-    return spec.num_layers * layer + outer + spec.hidden_size
+    return spec.num_layers * layer_params(spec) + outer + spec.hidden_size
 
 
 def rank_params(spec: ModelSpec, mapping: Mapping, stage: int) -> int:
