@@ -9,8 +9,9 @@ dimensions every CPU format accepts (INT4-AWQ: blocks of 128 input channels).
 
 Run as a script (modelopt patches transformers classes, so tests run it in a child process):
 ``python quant_reference.py ARCH DTYPE OUT CASE[,CASE...] [--device cpu|cuda] [--only layerwise]
-[--variant tied|dead-expert]``
-writes ``OUT/model`` and, per case ``fmt+kv``, ``OUT/<case>/whole`` and ``OUT/<case>/layerwise``.
+[--variant tied|dead-expert] [--tag NAME]``
+writes ``OUT/model`` and, per case ``fmt+kv``, ``OUT/<case>/whole`` and
+``OUT/<case>/layerwise-<device or tag>`` (with the stage details beside it).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def main() -> None:
     parser.add_argument("cases")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", choices=("whole", "layerwise"))
+    parser.add_argument("--tag", help="names the layer-by-layer output (default: the device)")
     parser.add_argument("--variant", default="", choices=("", "tied", "dead-expert"))
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -134,9 +136,10 @@ def main() -> None:
         if args.only != "layerwise":
             whole_model(source, args.out / case / "whole", fmt, kv, calib)
         if args.only != "whole":
-            details = layerwise(source, args.out / case / f"layerwise-{args.device}", fmt, kv,
-                                calib, device=args.device)
-            (args.out / case / f"details-{args.device}.json").write_text(json.dumps(details))
+            tag = args.tag or args.device
+            details = layerwise(source, args.out / case / f"layerwise-{tag}", fmt, kv, calib,
+                                device=args.device)
+            (args.out / case / f"details-{tag}.json").write_text(json.dumps(details))
 
 
 if __name__ == "__main__":

@@ -82,14 +82,17 @@ class PassRecorder:
         if not self.outputs_needed and not _enabled_quantizers(model):
             return
         batches = self.inputs[min(len(self.outputs), len(self.inputs) - 1)]
+        previous = self.outputs[-1] if self.outputs else None
         outs = []
         with torch.no_grad():
             for b, x in enumerate(batches):
                 y = self.run(b, x)
-                outs.append(y[0] if isinstance(y, tuple) else y)
-        if self.outputs and len(outs) == len(self.outputs[-1]) and \
-                all(torch.equal(a, b) for a, b in zip(outs, self.outputs[-1], strict=True)):
-            outs = self.outputs[-1]  # the same activations: hold them once
+                y = y[0] if isinstance(y, tuple) else y
+                if previous is not None and torch.equal(y, previous[b]):
+                    y = previous[b]  # the same activations as the last pass: held once
+                outs.append(y)
+        if previous is not None and all(a is b for a, b in zip(outs, previous, strict=True)):
+            outs = previous
         self.outputs.append(outs)
         self.after_pass()
 

@@ -82,7 +82,8 @@ class Skeleton:
                                       f"{list(tensor.shape)}, the config says "
                                       f"{list(meta.shape)}", "the checkpoint does not match "
                                       "its config.json")
-            state[key] = tensor.to(meta.dtype) if meta.is_floating_point() else tensor
+            # one tensor at a time onto the device: a GPU's host holds no whole layer
+            state[key] = tensor.to(device, meta.dtype if meta.is_floating_point() else None)
         with torch.no_grad():
             module.load_state_dict(state, strict=True, assign=True)
         left = [n for n, t in _tensors(module) if t.is_meta]
@@ -90,7 +91,7 @@ class Skeleton:
             raise UnsupportedError(f"layer-by-layer quantization cannot materialize {name}."
                                    f"{left[0]} (not in the checkpoint)",
                                    "this architecture is not quantized by moepipe")
-        return module.to(device)
+        return module
 
     def read(self, full: str) -> torch.Tensor:
         """The checkpoint tensor of the in-memory tensor ``full`` (a tied alias reads its

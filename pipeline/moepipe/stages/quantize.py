@@ -2,18 +2,25 @@
 Hugging Face checkpoint (what the trtllm-pytorch target serves; the converter turns it into a
 TensorRT-LLM quantized checkpoint for the other targets).
 
+* One decoder layer at a time (:mod:`moepipe.quant.layerwise`): memory is bounded by a layer
+  in float32 and the calibration activations (:mod:`moepipe.quant.memory`), whatever the depth;
+  the checkpoint equals what calibrating the whole model at once writes
+  (``tests/e2e/test_layerwise_equivalence.py``). ``quantize.device``: the CPU, or a GPU one
+  layer at a time. A killed build resumes at the first unfinished layer (the build keeps the
+  stage's scratch folder); a live line per layer on a terminal.
 * Formats: ``fp8``, ``int8_sq`` (SmoothQuant), ``int4_awq`` (block 128) on CPU; ``w4a8_awq`` and
   ``nvfp4`` need a GPU. KV cache: ``fp8`` or ``int8``.
 * Calibration text comes from a local file or, by default, the held-out chapters of the corpus
   shipped with moepipe (text the trained examples never saw); nothing is downloaded. The
   sequences after the calibration ones are kept (``heldout.json``) for the quality stage.
 * Experts are unfused first so that calibration, smoothing and AWQ reach every expert;
-  ``moe_calib_experts_ratio=1.0`` routes calibration tokens through all experts.
+  ``moe_calib_experts_ratio=1.0`` routes calibration tokens through all experts (the record
+  says, per layer, how many experts the router itself sent no token).
 * Routers and shared-expert gates are never quantized (checked after calibration).
 * ``int8_sq`` leaves the routed experts in the model dtype: TensorRT-LLM has no SmoothQuant MoE
   kernels, and what is measured must be what is deployed.
-* The export (:func:`moepipe.quant.recipe.export_unified`) holds exactly what modelopt's own
-  TensorRT-LLM exporter writes from the same calibration (checked by ``tests/oracle``).
+* The export holds exactly what modelopt's own TensorRT-LLM exporter writes from the same
+  calibration (:func:`moepipe.quant.recipe.export_unified`, checked by ``tests/oracle``).
 """
 
 from __future__ import annotations
@@ -297,13 +304,13 @@ def _memory(ctx: BuildContext) -> int:
 
 
 def _memory_hint(ctx: BuildContext) -> str:
-    from moepipe.quant.memory import BYTES_PER_PARAM, activation_bytes
+    from moepipe.quant.memory import activation_bytes, segment_bytes
 
     sizes = _sizes(ctx)
     if sizes is None:
         return "quantize on a machine with more memory"
     layer, outer, hidden, tokens = sizes
-    return (f"one decoder layer at a time needs {gib(BYTES_PER_PARAM * max(layer, outer))} "
+    return (f"one decoder layer at a time needs {gib(segment_bytes(layer, outer))} "
             f"and the calibration activations {gib(activation_bytes(hidden, tokens))}: lower "
             "quantize.calibration.samples or seq_len, or quantize on a machine with more "
             "memory")
