@@ -167,6 +167,9 @@ class QuantizeSection(Section):
     format: QuantFormat = Field("none", description="Weight/activation format (modelopt). "
                                                     "w4a8_awq and nvfp4 need a GPU.")
     kv_cache: KvCacheFormat = Field("none", description="KV-cache quantization.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where each decoder layer is calibrated, one at a time ('auto': "
+                            "the GPU when one is visible, else the CPU).")
     calibration: CalibrationSection = Field(default_factory=CalibrationSection,
                                             description="Calibration data.")
     quality: QualitySection = Field(default_factory=QualitySection,

@@ -58,9 +58,11 @@ def check_host_memory(ctx: BuildContext, stage: Stage) -> None:
         return
     need, have = stage.memory(ctx), available_memory()
     if need > have:
+        hint = stage.memory_hint if isinstance(stage.memory_hint, str) else \
+            stage.memory_hint(ctx)
         raise MoepipeError(
             f"{stage.name} needs about {need / 2**30:.1f} GiB of host memory; only "
-            f"{have / 2**30:.1f} GiB is available", stage.memory_hint)
+            f"{have / 2**30:.1f} GiB is available", hint)
 
 
 def _tool_versions(names: tuple[str, ...]) -> dict[str, str]:
@@ -167,6 +169,16 @@ def _clean_partials(cfg: MoepipeConfig) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def _scratch(entry: PlanEntry) -> Path:
+    """The resumable stage's scratch folder for this fingerprint; those of its other
+    fingerprints (a config changed since a build was killed) are removed."""
+    folder = entry.output.with_name(f".{entry.output.name}.resume")
+    for old in entry.output.parent.glob(f".{entry.stage.name}-*.resume"):
+        if old != folder:
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
 def _link(cfg: MoepipeConfig, stage: Stage, target: Path) -> None:
     """Point ``<workdir>/<stage.link>`` at the stage's current output (atomically)."""
     if stage.link is None:
@@ -227,6 +239,7 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
             check_host_memory(ctx, entry.stage)
             needed = check_stage_disk(ctx, entry.stage, entry.output)
             entry.output.parent.mkdir(parents=True, exist_ok=True)
+            ctx.scratch = _scratch(entry) if entry.stage.resumable else None
             try:
                 with atomic_dir(entry.output, overwrite=True) as tmp, \
                         task(name) as running:
@@ -236,6 +249,8 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
                     write_stage_record(tmp, name, entry.fingerprint, details)
             except OSError as e:  # a disk that filled up (or went read-only) mid-stage
                 raise describe_os_error(e, needed) from None
+            if ctx.scratch is not None:
+                shutil.rmtree(ctx.scratch, ignore_errors=True)
             ctx.details[name] = details
             status = "built"
         ctx.add(entry.stage, entry.output)

@@ -92,13 +92,17 @@ def candidates(model: ModelShape, max_world: int, target: str) -> list[Sharding]
 
 def host_memory(model: ModelShape) -> dict[str, int]:
     """Peak host RAM of the build stages: convert (streams; a column slice reads a whole
-    tensor, cut and cast: three copies of the largest) and quantize (modelopt holds the model in
-    float32: ``moepipe.stages.quantize.quantize_memory``)."""
+    tensor, cut and cast: three copies of the largest) and quantize (one decoder layer at a
+    time in float32 with the default calibration: ``moepipe.quant.memory``)."""
+    from moepipe.config import CalibrationSection
     from moepipe.conversion.write import peak_memory
-    from moepipe.stages.quantize import quantize_memory
+    from moepipe.quant.memory import quantize_memory
 
+    cal = CalibrationSection()
     return {"convert": peak_memory(model.largest_tensor_bytes()),
-            "quantize": quantize_memory(model.parameters())}
+            "quantize": quantize_memory(model.largest_layer_parameters(),
+                                        model.vocab_size * model.hidden_size,
+                                        model.hidden_size, cal.samples * cal.seq_len)}
 
 
 def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,

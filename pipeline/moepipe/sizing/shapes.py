@@ -220,6 +220,12 @@ class ModelShape:
         DeepSeek's multi-token-prediction layer excluded, as transformers loads it)."""
         return _parameters(self)
 
+    def largest_layer_parameters(self) -> int:
+        """Parameters of the largest decoder layer, as its Hugging Face checkpoint counts them
+        (what layer-by-layer quantization holds at once: :mod:`moepipe.quant.memory`)."""
+        return max(sum(math.prod(t.shape) * t.experts for t in self.layer_tensors(i)
+                       if not t.derived) for i in range(self.num_layers))
+
     def active_parameters(self) -> int:
         """Parameters one token passes through: top_k of the routed experts."""
         per_expert = 3 * self.hidden_size * self.expert_intermediate_size
