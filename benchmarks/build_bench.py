@@ -42,7 +42,7 @@ def in_process_build(folder: Path) -> float:
     from moepipe.commands.build import run_build
 
     t0 = time.perf_counter()
-    manifest = run_build(folder / "moepipe.yaml", echo=lambda s: None, progress=False)
+    manifest = run_build(folder / "moepipe.yaml", echo=lambda s: None)
     seconds = time.perf_counter() - t0
     assert {s["status"] for s in manifest["stages"]} == {"reused"}, "not a no-op"
     return seconds

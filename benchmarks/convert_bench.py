@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -74,19 +75,28 @@ def make_checkpoint(folder: Path, target_bytes: float) -> tuple[int, int]:
     shards[0] = [("model.embed_tokens.weight", (VOCAB, HIDDEN))] + shards[0]
     shards[-1] = shards[-1] + [("model.norm.weight", (HIDDEN,)),
                                ("lm_head.weight", (VOCAB, HIDDEN))]
+    total = write_shards(folder, shards, lambda name, shape: rng.standard_normal(
+        int(np.prod(shape)), dtype=np.float32) * 0.02)
+    return total, layer_bytes
+
+
+def write_shards(folder: Path, shards: list[list[tuple[str, tuple[int, ...]]]],
+                 values: Callable[[str, tuple[int, ...]], np.ndarray]) -> int:
+    """Write one bf16 shard per list of (name, shape), each tensor from ``values(name,
+    shape)`` (float32, flat), and the index; returns the bytes written."""
     weight_map, total = {}, 0
     for i, entries in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         writer = SafetensorsWriter(folder / name, [(n, BF16, s) for n, s in entries])
         for tensor_name, shape in entries:
-            values = rng.standard_normal(int(np.prod(shape)), dtype=np.float32) * 0.02
-            writer.write_bytes(convert_bytes(memoryview(values).cast("B"), F32, BF16))
+            data = values(tensor_name, shape)
+            writer.write_bytes(convert_bytes(memoryview(data).cast("B"), F32, BF16))
             weight_map[tensor_name] = name
         writer.close()
         total += (folder / name).stat().st_size
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return total, layer_bytes
+    return total
 
 
 def drop_caches() -> bool:

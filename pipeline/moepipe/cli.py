@@ -7,6 +7,7 @@ exit non-zero; anything else is a bug and shows a traceback with ``--debug``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -66,17 +67,47 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+class _Stderr:
+    """sys.stderr as it is at each write: while a progress bar redirects it, log lines print
+    above the bar instead of through it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+def _main(ctx: typer.Context,
+          debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
           verbose: bool = typer.Option(False, "-v", "--verbose", help="Log progress."),
-          quiet: bool = typer.Option(False, "-q", "--quiet", help="Only errors."),
+          quiet: bool = typer.Option(False, "-q", "--quiet", help="Only errors (no progress "
+                                     "bars)."),
           version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     _state["debug"] = debug
     level = logging.DEBUG if debug else logging.INFO if verbose else \
         logging.ERROR if quiet else logging.WARNING
-    logging.basicConfig(level=level, format="moepipe: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=level, format="moepipe: %(message)s", stream=_Stderr())
     _state["quiet"] = quiet
+    _show_progress(ctx, quiet)
+
+
+def _show_progress(ctx: typer.Context, quiet: bool) -> None:
+    """Progress of long work on stderr while the command runs (moepipe.terminal)."""
+    from moepipe.terminal import progress_view
+    from moepipe.utils import progress
+
+    view = progress_view(quiet)
+    progress.install(view)
+
+    def done() -> None:
+        progress.install(None)
+        if view is not None:
+            view.close()
+
+    ctx.call_on_close(done)
 
 
 def _echo(text: str = "") -> None:
@@ -260,6 +291,10 @@ def plan_cmd(model: str = typer.Argument(..., help="Checkpoint folder, config.js
                                                       help="NVLink GB/s per direction."),
              internode_gbps: float | None = typer.Option(None, "--internode-gbps",
                                                          help="Network GB/s per GPU."),
+             usd_per_gpu_hour: float | None = typer.Option(
+                 None, "--usd-per-gpu-hour", help="Price of one GPU per hour: adds US$ per "
+                 "million output tokens per mapping (roofline) and for the dense model of the "
+                 "same parameters."),
              as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
              write: Path | None = typer.Option(None, "--write", help="Also write "
                                                "aiconfigurator's inputs into this folder."),
@@ -271,7 +306,7 @@ def plan_cmd(model: str = typer.Argument(..., help="Checkpoint folder, config.js
 
     result = run_plan(PlanRequest(model, cluster, isl, osl, goal, quantize, kv_cache,
                                   kv_fraction, target, max_num_tokens, nvlink_gbps,
-                                  internode_gbps))
+                                  internode_gbps, usd_per_gpu_hour))
     written = None
     if write is not None:
         written = write_aiconfigurator(result, model_id(model), write)
@@ -285,8 +320,10 @@ def balance_cmd(metrics: str | None = typer.Option(None, "--metrics", help="A de
                                                    "metrics URL (default, with a config: its "
                                                    "own, http://HOST:METRICS_PORT/metrics)."),
                 counts: Path | None = typer.Option(None, "--counts", help="Expert token "
-                                                   "counts: JSON {\"layers\": {\"0\": [...]}}"
-                                                   " or saved metrics text."),
+                                                   "counts: JSON {\"layers\": {\"0\": [...]}},"
+                                                   " saved metrics text, or the folder "
+                                                   "TensorRT-LLM's expert statistics wrote "
+                                                   "(read with the config's mapping)."),
                 moe_ep: int | None = typer.Option(None, "--moe-ep", help="EP ranks (default: "
                                                   "the config's parallel.moe_ep)."),
                 slots: int | None = typer.Option(None, "--slots", help="Expert slots per "
@@ -297,16 +334,23 @@ def balance_cmd(metrics: str | None = typer.Option(None, "--metrics", help="A de
                 as_json: bool = typer.Option(False, "--json", help="Print the prediction as "
                                              "JSON.")) -> None:
     """Expert placement from measured load for TensorRT-LLM's MoE load balancer."""
-    from moepipe.commands.plan import format_balance, run_balance
+    from moepipe.commands.plan import dump_mapping, format_balance, run_balance
 
-    if moe_ep is None or (metrics is None and counts is None):
-        from moepipe.config import load_config
+    dump = None
+    folder = counts is not None and counts.is_dir()
+    if moe_ep is None or (metrics is None and counts is None) or folder:
+        from moepipe.config import DEFAULT_CONFIG, load_config
 
+        if folder and not (config or Path(DEFAULT_CONFIG)).is_file():
+            raise ConfigError(f"--counts {counts}: a folder is read as TensorRT-LLM's expert "
+                              "statistics, with the mapping of the deployment that wrote it",
+                              "pass -c with that deployment's moepipe.yaml")
         cfg = load_config(config)
         moe_ep = moe_ep or cfg.parallel.to_mapping().moe_ep
         if metrics is None and counts is None:
             metrics = f"http://{cfg.deploy.host}:{cfg.deploy.metrics_port}/metrics"
-    placement = run_balance(metrics, counts, moe_ep, slots, out)
+        dump = dump_mapping(cfg) if folder else None
+    placement = run_balance(metrics, counts, moe_ep, slots, out, dump)
     typer.echo(json.dumps(placement.summary(), indent=2) if as_json
                else format_balance(placement, out))
 
@@ -348,10 +392,10 @@ def deploy(config: Path | None = ConfigOpt, as_json: bool = JsonOpt) -> None:
         _emit(result)
 
 
-def _deployment(config: Path | None) -> tuple[Path, Path | None]:
-    """(state folder, model repository) of the config's deployment. A config that became
-    invalid after the deploy still names its workdir: stop and status work from that."""
-    from moepipe.commands.deploy import repository_dir, state_dir
+def _deployment(config: Path | None) -> Path:
+    """The state folder of the config's deployment. A config that became invalid after the
+    deploy still names its workdir: stop and status work from that."""
+    from moepipe.commands.deploy import state_dir
     from moepipe.config import load_config, workdir_of
 
     try:
@@ -362,8 +406,8 @@ def _deployment(config: Path | None) -> tuple[Path, Path | None]:
             raise
         logging.getLogger("moepipe").warning("%s; using the deployment recorded in %s",
                                              e.message, workdir / "server")
-        return workdir / "server", None
-    return state_dir(cfg), repository_dir(cfg)
+        return workdir / "server"
+    return state_dir(cfg)
 
 
 @app.command()
@@ -371,8 +415,7 @@ def stop(config: Path | None = ConfigOpt, as_json: bool = JsonOpt) -> None:
     """Stop the workdir's Triton server and every process of its deployment."""
     from moepipe.deploy.local import lifecycle
 
-    where, repository = _deployment(config)
-    res = lifecycle.stop(where, repository=repository)
+    res = lifecycle.stop(_deployment(config))
     if as_json:
         _emit(res)
         return
@@ -392,14 +435,19 @@ def status(config: Path | None = ConfigOpt,
     """Is the workdir's Triton server serving, and where."""
     from moepipe.deploy.local import lifecycle
 
-    info = lifecycle.status(*_deployment(config))
+    info = lifecycle.status(_deployment(config))
     if as_json:
         typer.echo(json.dumps(info))
     elif info["running"]:
         sup = f"  supervised (restarts {info['restarts']}/{info['max_restarts']})" \
             if info.get("supervised") else ""
+        ranks = f"  ranks {len(info['ranks']) + 1}" if info.get("ranks") else ""
         typer.echo(f"running  pid {info['pid']}  http {info['http']}  grpc {info['grpc']}  "
-                   f"metrics {info['metrics']}{sup}")
+                   f"metrics {info['metrics']}{ranks}{sup}")
+    elif info.get("dead_ranks"):
+        typer.echo(f"not serving: worker {info['dead_ranks'][0]} of the rank group is gone "
+                   f"(tritonserver pid {info['pid']} is up; the supervisor starts the group "
+                   "again)")
     elif info.get("dead_models"):
         typer.echo(f"not serving: the backend process of {info['dead_models'][0]} died "
                    f"(tritonserver pid {info['pid']} is still up)")
@@ -410,9 +458,9 @@ def status(config: Path | None = ConfigOpt,
 @app.command()
 def serve(repository: Path = typer.Argument(..., help="A rendered model repository."),
           host: str = typer.Option("127.0.0.1", "--host"),
-          http_port: int = typer.Option(8000, "--http-port"),
-          grpc_port: int = typer.Option(8001, "--grpc-port"),
-          metrics_port: int = typer.Option(8002, "--metrics-port"),
+          http_port: int = typer.Option(8000, "--http-port", min=1, max=65535),
+          grpc_port: int = typer.Option(8001, "--grpc-port", min=1, max=65535),
+          metrics_port: int = typer.Option(8002, "--metrics-port", min=1, max=65535),
           timeout: float = typer.Option(180.0, "--timeout", help="Seconds to wait for ready."),
           max_restarts: int = typer.Option(3, "--max-restarts", min=0,
                                            help="Times a dead server or model process is "
@@ -420,26 +468,34 @@ def serve(repository: Path = typer.Argument(..., help="A rendered model reposito
           as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout when "
                                        "the server is ready (messages go to stderr).")
           ) -> None:
-    """Run a rendered repository in the foreground (Ctrl-C stops it cleanly); a dead server
-    or model process is restarted, up to --max-restarts times."""
+    """Run a rendered repository in the foreground (Ctrl-C, SIGTERM or SIGHUP stop it
+    cleanly); a dead server or model process is restarted, up to --max-restarts times."""
     from moepipe.deploy.local import lifecycle, supervisor
-    from moepipe.deploy.local.state import STATE_FILE
+    from moepipe.deploy.local.state import SERVE_DIR, STATE_FILE
 
     if not (repository / "ensemble" / "config.pbtxt").is_file():
         raise MoepipeError(f"{repository}: not a rendered model repository (no ensemble)",
                            "pass <deploy>/model_repo as written by `moepipe deploy`")
-    state = lifecycle.start(repository.resolve(), repository.resolve().parent / ".serve",
-                            host=host, http_port=http_port, grpc_port=grpc_port,
-                            metrics_port=metrics_port, timeout=timeout)
+    ports = {"--http-port": http_port, "--grpc-port": grpc_port,
+             "--metrics-port": metrics_port}
+    if len(set(ports.values())) < len(ports):
+        raise MoepipeError(f"{', '.join(f'{k} {v}' for k, v in ports.items())}: the three "
+                           "ports must differ", "choose three free ports")
+    if not timeout > 0 or timeout == float("inf"):
+        raise MoepipeError(f"--timeout {timeout}: must be a positive number of seconds")
+    repo = repository.resolve()
+    where = repo.parent / SERVE_DIR
     say = _say(as_json)
-    say(f"serving {repository} (pid {state.pid}): http {state.http}, grpc {state.grpc}, "
-        f"metrics {state.metrics}; log {state.log}. Ctrl-C to stop.")
-    if as_json:  # on its own line at once: a caller reads it while the server runs
-        typer.echo(json.dumps(state.to_status(True)))
-        sys.stdout.flush()
-    code = supervisor.foreground(repository.resolve().parent / ".serve", state, max_restarts,
-                                 say)
-    (repository.resolve().parent / ".serve" / STATE_FILE).unlink(missing_ok=True)
+    with lifecycle.guard(where):  # whatever ends the command stops what it started
+        state = lifecycle.start(repo, where, host=host, http_port=http_port,
+                                grpc_port=grpc_port, metrics_port=metrics_port, timeout=timeout)
+        say(f"serving {repository} (pid {state.pid}): http {state.http}, grpc {state.grpc}, "
+            f"metrics {state.metrics}; log {state.log}. Ctrl-C to stop.")
+        if as_json:  # on its own line at once: a caller reads it while the server runs
+            typer.echo(json.dumps(state.to_status(True)))
+            sys.stdout.flush()
+        code = supervisor.foreground(where, state, max_restarts, say)
+    (where / STATE_FILE).unlink(missing_ok=True)
     raise typer.Exit(code)
 
 
@@ -488,42 +544,41 @@ def ci(step: CiStep = typer.Argument(..., help="build | deploy-validate (cpu: de
         raise typer.Exit(1)
 
 
-def _interrupted(signum: int, frame: object) -> None:
-    _state["interrupted"] = True
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> None:
-    """The console entry point: every user mistake is one line and exit 2; Ctrl-C is one
-    ``interrupted`` line and exit 130; anything else is a bug (traceback; ``--debug``)."""
-    import signal
+    """The console entry point: every user mistake is one line and exit 2; Ctrl-C, SIGTERM and
+    SIGHUP are one ``interrupted`` line and exit 130, 143, 129 once the command has stopped
+    what it started (:mod:`moepipe.utils.interrupt`); anything else is a bug (traceback;
+    ``--debug``)."""
+    from moepipe.utils import interrupt
 
-    # typer turns Ctrl-C into a silent exit 130; the handler marks it so that it can be said.
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupted)
-    try:
-        # Without standalone mode click returns typer.Exit's code instead of exiting.
-        code = app(args=argv, prog_name="moepipe", standalone_mode=False)
-    except MoepipeError as e:
-        _fail(e)
-    except OSError as e:  # a full, read-only or missing disk: the user's to fix
-        from moepipe.utils.oserrors import describe_os_error
+    code: object = 0
+    with interrupt.handled():
+        try:
+            # Without standalone mode click returns typer.Exit's code instead of exiting.
+            code = app(args=argv, prog_name="moepipe", standalone_mode=False)
+        except interrupt.Interrupted as e:
+            code = e.exit_code
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                typer.echo(e.line, err=True)
+        except MoepipeError as e:
+            _fail(e)
+        except OSError as e:  # a full, read-only or missing disk: the user's to fix
+            from moepipe.utils.oserrors import describe_os_error
 
-        if _state["debug"]:
-            raise
-        _fail(describe_os_error(e))
-    except (KeyboardInterrupt, typer.Abort):
-        code, _state["interrupted"] = 130, True
-    except typer.Exit as e:
-        code = e.exit_code
-    except typer.TyperException as e:  # usage errors: typer raises its vendored click ones
-        cmd = getattr(getattr(e, "ctx", None), "command_path", None) or "moepipe"
-        # (typer checks choices with pydantic, whose prefix says nothing here)
-        message = e.format_message().replace("Value error, ", "")
-        _fail(MoepipeError(message, f"see `{cmd} --help`"),
-              exit_code=getattr(e, "exit_code", 2) or 2)
-    if code == 130 and _state.get("interrupted"):
-        typer.echo("interrupted", err=True)
+            if _state["debug"]:
+                raise
+            _fail(describe_os_error(e))
+        except (KeyboardInterrupt, typer.Abort):  # SIGINT while a handler was not ours
+            typer.echo("interrupted", err=True)
+            code = 130
+        except typer.Exit as e:
+            code = e.exit_code
+        except typer.TyperException as e:  # usage errors: typer raises its vendored click ones
+            cmd = getattr(getattr(e, "ctx", None), "command_path", None) or "moepipe"
+            # (typer checks choices with pydantic, whose prefix says nothing here)
+            message = e.format_message().replace("Value error, ", "")
+            _fail(MoepipeError(message, f"see `{cmd} --help`"),
+                  exit_code=getattr(e, "exit_code", 2) or 2)
     if isinstance(code, int) and code:
         sys.exit(code)
 

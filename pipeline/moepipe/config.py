@@ -24,6 +24,7 @@ from pydantic import (
 
 from moepipe.errors import ConfigError, MappingError
 from moepipe.mapping import Mapping
+from moepipe.targets import TargetName, get_target, quantization_problem, targets_where
 from moepipe.utils.bounded import ReadError, read_file
 from moepipe.utils.strictyaml import (
     CONFIG_LIMIT,
@@ -39,7 +40,7 @@ DEFAULT_PROMPTS = [
     "It was the best of times, it was the worst of times,",
     "A Lion lay asleep in the forest, his great head resting on his paws.",
 ]
-Target = Literal["cpu", "trtllm-engine", "trtllm-pytorch"]
+Target = TargetName  # the names of moepipe.targets' registry
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 
 # The largest value of each kind of number moepipe.yaml holds: what the machine, Triton and
@@ -131,7 +132,8 @@ class ConvertSection(Section):
 QuantFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"]
 KvCacheFormat = Literal["none", "fp8", "int8"]
 # The validation jobs (moepipe.validate.registry.JOBS runs them; a test keeps the two equal).
-JobName = Literal["smoke", "accuracy", "perf", "burst", "long-tail", "balance", "recovery"]
+JobName = Literal["smoke", "accuracy", "perf", "burst", "long-tail", "balance", "recovery",
+                  "soak"]
 GPU_ONLY_FORMATS = ("w4a8_awq", "nvfp4")
 
 
@@ -165,6 +167,9 @@ class QuantizeSection(Section):
     format: QuantFormat = Field("none", description="Weight/activation format (modelopt). "
                                                     "w4a8_awq and nvfp4 need a GPU.")
     kv_cache: KvCacheFormat = Field("none", description="KV-cache quantization.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where each decoder layer is calibrated, one at a time ('auto': "
+                            "the GPU when one is visible, else the CPU).")
     calibration: CalibrationSection = Field(default_factory=CalibrationSection,
                                             description="Calibration data.")
     quality: QualitySection = Field(default_factory=QualitySection,
@@ -231,6 +236,24 @@ class BuildSection(Section):
         return self
 
 
+class ExpertStatisticSection(Section):
+    """TensorRT-LLM's expert statistics (trtllm-pytorch): its workers count the experts they
+    route for iterations start..stop-1, write the counts when iteration ``stop`` begins (once
+    per server start), and the deployment exports them as ``moepipe_expert_tokens_total``.
+    TensorRT-LLM runs without CUDA graphs while it counts."""
+
+    start: int = Field(100, ge=0, le=MAX_REQUESTS, description="First iteration counted "
+                       "(EXPERT_STATISTIC_ITER_RANGE START; early iterations are warm-up).")
+    stop: int = Field(1100, ge=1, le=MAX_REQUESTS, description="Iteration at which the "
+                      "counts are written (STOP, not counted).")
+
+    @model_validator(mode="after")
+    def _window(self):
+        if self.start >= self.stop:
+            raise ValueError(f"start ({self.start}) must be smaller than stop ({self.stop})")
+        return self
+
+
 class TrtllmDeploySection(Section):
     """Serving knobs of the GPU targets, with TensorRT-LLM 1.2's defaults. ``trtllm-engine``
     renders them as ``tensorrt_llm`` parameters, ``trtllm-pytorch`` as LLM-API arguments;
@@ -280,6 +303,11 @@ class TrtllmDeploySection(Section):
         None, description="trtllm-pytorch: a `moepipe balance` placement file, rendered as "
                           "moe_config.load_balancer (needs parallel.attention_dp, moe_ep >= 2 "
                           "and moe_backend WIDEEP).")
+    expert_statistic: ExpertStatisticSection | None = Field(
+        None, description="trtllm-pytorch: count routed experts over an iteration window "
+                          "(TensorRT-LLM's EXPERT_STATISTIC_ITER_RANGE), exported as "
+                          "moepipe_expert_tokens_total and read by `moepipe balance`; unset: "
+                          "off.")
 
 
 # Kubernetes names (k8s.io/apimachinery validation: IsDNS1123Label, IsDNS1123Subdomain) and
@@ -389,6 +417,13 @@ class DeploySection(Section):
     http_port: int = Field(8000, ge=1, le=65535, description="Triton HTTP port.")
     grpc_port: int = Field(8001, ge=1, le=65535, description="Triton gRPC port.")
     metrics_port: int = Field(8002, ge=1, le=65535, description="Prometheus metrics port.")
+    rank_port: int = Field(8003, ge=1, le=65535, description="cpu target, world size > 1: the "
+                                                             "port rank 0 (in the server) "
+                                                             "listens on for the other ranks.")
+    collective_timeout_s: float = Field(60.0, gt=0, le=DAY_S,
+                                        description="cpu target, world size > 1: "
+                                        "a collective of a step that takes longer fails the "
+                                        "rank group (a lost rank is noticed at once anyway).")
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for "
                                               "streaming; gRPC clients then use the stream API).")
     exclude_input_in_output: bool = Field(False, description="Default of the request input of "
@@ -425,8 +460,8 @@ class DeploySection(Section):
                                 description="Grace period for in-flight requests.")
     max_restarts: int = Field(3, ge=0, le=1000,
                               description="cpu target: times the supervisor restarts a server "
-                                          "whose process or a model process died (0: only stop "
-                                          "it).")
+                                          "whose process or a model process died, or a rank "
+                                          "group that lost a rank (0: only stop it).")
     tritonserver: Path | None = Field(None, description="tritonserver binary (default: PATH, "
                                                         "else the one in nvidia-pytriton).")
     trtllm: TrtllmDeploySection = Field(default_factory=TrtllmDeploySection,
@@ -442,9 +477,10 @@ class DeploySection(Section):
 
     @model_validator(mode="after")
     def _distinct_ports(self):
-        ports = [self.http_port, self.grpc_port, self.metrics_port]
-        if len(set(ports)) != 3:
-            raise ValueError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
+        ports = [self.http_port, self.grpc_port, self.metrics_port, self.rank_port]
+        if len(set(ports)) != 4:
+            raise ValueError(f"http_port, grpc_port, metrics_port and rank_port must differ, "
+                             f"got {ports}")
         return self
 
     def check_machine(self, cores: int) -> None:
@@ -493,6 +529,12 @@ class PerfSection(Section):
     rates: list[Rate] = Field([4.0], description="Open-loop (Poisson) requests/s per point.")
     requests: int = Field(24, ge=1, le=MAX_REQUESTS, description="Requests per point (at most).")
     duration_s: float = Field(20.0, gt=0, le=DAY_S, description="Seconds per point (at most).")
+
+    @model_validator(mode="after")
+    def _some_point(self):
+        if not self.concurrency and not self.rates:  # a sweep of nothing passes vacuously
+            raise ValueError("concurrency and rates are both empty: perf would measure nothing")
+        return self
 
 
 class BurstSection(Section):
@@ -546,8 +588,10 @@ class BalanceSection(Section):
 
 
 class RecoverySection(Section):
-    kill: list[Literal["server", "backend"]] = Field(
-        ["server", "backend"], description="What is killed (SIGKILL), in turn.")
+    kill: list[Literal["rank", "server", "backend"]] = Field(
+        ["rank", "server", "backend"], min_length=1,
+        description="What is killed (SIGKILL), in turn: a worker rank (world size > 1; "
+                    "skipped otherwise), the server, the tensorrt_llm backend process.")
     rate: float = Field(2.0, gt=0, le=MAX_RATE, description="Requests/s during the job.")
     warmup_s: float = Field(3.0, gt=0, le=DAY_S, description="Load before the kill.")
     after_s: float = Field(3.0, ge=0, le=DAY_S, description="Load after the deadline.")
@@ -555,13 +599,77 @@ class RecoverySection(Section):
                                                        "response.")
 
 
+class SoakSection(Section):
+    """A steady load held for a long time: errors, latency drift, and the trends of the
+    deployment's memory and KV use (a leak is a trend that would pass its bound over the
+    run)."""
+
+    seconds: float = Field(1800, gt=0, le=WEEK_S, description="Length of the steady load (a "
+                                                              "day: 86400).")
+    rate: float = Field(2.0, gt=0, le=MAX_RATE, description="Requests/s, Poisson arrivals.")
+    window_s: float = Field(60, gt=0, le=DAY_S, description="Latency window: drift compares "
+                            "the first with the last; the trends leave out the first (warm-up).")
+    sample_s: float = Field(5, gt=0, le=HOUR_S,
+                            description="How often memory and KV use are sampled.")
+    drain_s: float = Field(30, gt=0, le=HOUR_S, description="After the load: how long KV use "
+                           "may take to return to its idle level.")
+    max_error_rate: float = Field(0.001, ge=0, le=1, description="Gate: share of requests "
+                                  "rejected, failed, timed out or not sent.")
+    max_memory_growth_mib: float = Field(256, gt=0, le=MAX_MEMORY_GIB * 1024,
+                                         description="Gate: growth of the deployment's RSS over "
+                                         "the run, from its trend after the warm-up.")
+    max_kv_growth: float = Field(0.05, gt=0, le=1, description="Gate: growth of KV use over "
+                                 "the run, from its trend after the warm-up, as a share of the "
+                                 "KV capacity.")
+    max_p99_drift: float | None = Field(None, ge=1, le=1e6, description="Gate: p99 latency of "
+                                        "the last window / the first (unset: reported only).")
+
+    @model_validator(mode="after")
+    def _two_windows(self):
+        if self.seconds / self.sample_s > MAX_BINS:
+            raise ValueError(f"seconds / sample_s ({self.seconds:g} / {self.sample_s:g}) is more "
+                             f"than {MAX_BINS} samples; use sample_s >= "
+                             f"{self.seconds / MAX_BINS:.3g}")
+        if self.seconds < 2 * self.window_s:
+            raise ValueError(f"seconds ({self.seconds:g}) must hold at least two windows of "
+                             f"window_s ({self.window_s:g}): drift compares the first with "
+                             "the last")
+        return self
+
+
+class CostSection(Section):
+    """The deployment's price, for US$ per million tokens (the perf job, the Prometheus rules):
+    the price of what the validated endpoint runs on (one replica)."""
+
+    usd_per_hour: float | None = Field(None, gt=0, le=1e7, description="US$ per hour of the "
+                                       "deployment (one replica, all its machines).")
+    usd_per_gpu_hour: float | None = Field(None, gt=0, le=1e4, description="GPU targets: US$ "
+                                           "per GPU and hour; the deployment's price is this x "
+                                           "its GPUs (tp x pp).")
+    max_usd_per_million_tokens: float | None = Field(
+        None, gt=0, le=1e9, description="US$ per million tokens (input and output counted "
+                                        "alike) above which the MoepipeCostPerTokenHigh alert "
+                                        "fires and the perf job fails (at its cheapest load "
+                                        "point).")
+
+    @model_validator(mode="after")
+    def _one_price(self):
+        if self.usd_per_hour is not None and self.usd_per_gpu_hour is not None:
+            raise ValueError("give usd_per_hour or usd_per_gpu_hour, not both")
+        if self.max_usd_per_million_tokens is not None and self.usd_per_hour is None \
+                and self.usd_per_gpu_hour is None:
+            raise ValueError("max_usd_per_million_tokens needs a price (usd_per_hour or "
+                             "usd_per_gpu_hour)")
+        return self
+
+
 class ValidateSection(Section):
     url: str | None = Field(None, description="HTTP endpoint (default: the local deployment).")
     grpc_url: str | None = Field(None, description="gRPC endpoint host:port.")
     metrics_url: str | None = Field(None, description="Prometheus metrics host:port (default: "
                                                       "the local deployment's).")
-    jobs: list[JobName] = Field(["smoke", "accuracy"], description="Jobs `moepipe validate` "
-                                                                   "runs.")
+    jobs: list[JobName] = Field(["smoke", "accuracy"], min_length=1,
+                                description="Jobs `moepipe validate` runs.")
     prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1,
                                description="Prompts the smoke and accuracy jobs send.")
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS,
@@ -583,13 +691,17 @@ class ValidateSection(Section):
                                     description="balance: traffic and the expert-load gate.")
     recovery: RecoverySection = Field(default_factory=RecoverySection,
                                       description="recovery: kills and the time gate.")
+    soak: SoakSection = Field(default_factory=SoakSection,
+                              description="soak: the long steady load and its gates.")
+    cost: CostSection = Field(default_factory=CostSection,
+                              description="The deployment's price: US$ per million tokens.")
 
 
 class MoepipeConfig(Section):
     model: ModelSection = Field(description="The model: a checkpoint folder or an example.")
-    target: Target = Field("cpu", description="Where the model is served: moepipe's runtime "
-                                              "in a local Triton (cpu), TensorRT engines, or "
-                                              "TensorRT-LLM's PyTorch backend.")
+    target: Target = Field("cpu", description="Where the model is served: moepipe's "
+                                                  "runtime in a local Triton (cpu), TensorRT "
+                                                  "engines, or TensorRT-LLM's PyTorch backend.")
     parallel: ParallelSection = Field(default_factory=ParallelSection,
                                       description="Tensor / pipeline / expert parallel mapping.")
     convert: ConvertSection = Field(default_factory=ConvertSection,
@@ -638,20 +750,19 @@ class MoepipeConfig(Section):
             raise ValueError("quantize.kv_cache needs a weight format too (quantize.format: "
                              "fp8, int8_sq or int4_awq); KV-cache-only quantization is not "
                              "supported yet")
-        if q.kv_cache == "int8" and self.target == "trtllm-pytorch":
-            raise ValueError("quantize.kv_cache int8 is not served by TensorRT-LLM's PyTorch "
-                             "backend; use fp8 (or target trtllm-engine)")
-        if q.format in ("int8_sq", "w4a8_awq") and self.target == "trtllm-pytorch":
-            raise ValueError(f"quantize.format {q.format} is served by the trtllm-engine target "
-                             "only; the PyTorch backend takes fp8, int4_awq or nvfp4")
+        problem = quantization_problem(self.target, q.format, q.kv_cache)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
     def _attention_dp_and_placement(self):
-        p, t = self.parallel, self.deploy.trtllm
-        if p.attention_dp and self.target != "trtllm-pytorch":
-            raise ValueError("parallel.attention_dp is a TensorRT-LLM PyTorch backend feature; "
-                             "set target: trtllm-pytorch or attention_dp: false")
+        p, t, target = self.parallel, self.deploy.trtllm, get_target(self.target)
+        if p.attention_dp and not target.attention_dp:
+            able = targets_where(lambda o: o.attention_dp)
+            raise ValueError(f"parallel.attention_dp is a "
+                             f"{' / '.join(get_target(n).served_by for n in able)} feature; "
+                             f"set target: {' or '.join(able)} or attention_dp: false")
         if p.attention_dp and p.tp < 2:
             raise ValueError("parallel.attention_dp needs tp >= 2 (the attention data-parallel "
                              "ranks are the tp ranks)")
@@ -660,13 +771,59 @@ class MoepipeConfig(Section):
                 ep = p.to_mapping().moe_ep  # tp: 4, moe_tp: 1 is moe_ep 4, unset or not
             except MappingError as e:
                 raise ValueError(str(e)) from None
-            if self.target != "trtllm-pytorch" or not p.attention_dp or ep < 2 \
+            if not target.expert_placement or not p.attention_dp or ep < 2 \
                     or t.moe_backend != "WIDEEP":
+                able = " or ".join(targets_where(lambda o: o.expert_placement))
                 raise ValueError("deploy.trtllm.expert_placement is TensorRT-LLM's MoE load "
-                                 "balancer: it needs target trtllm-pytorch, "
+                                 f"balancer: it needs target {able}, "
                                  "parallel.attention_dp: true, parallel.moe_ep >= 2 and "
                                  "deploy.trtllm.moe_backend: WIDEEP")
         return self
+
+    @model_validator(mode="after")
+    def _validation_fits_the_build(self):
+        """Tokens a validation request asks for fit what the deployment serves (a prompt of at
+        least one token + the generated ones <= build.max_seq_len): the accuracy job
+        generates as many in transformers for its reference, server up or not."""
+        limit = self.build.max_seq_len - 1
+        v = self.validation
+        for key, value in (("validate.max_tokens", v.max_tokens),
+                           ("validate.load.max_tokens", v.load.max_tokens)):
+            if value > limit:
+                raise ValueError(f"{key} is {value}; the build serves at most {limit} "
+                                 f"generated tokens (build.max_seq_len {self.build.max_seq_len}"
+                                 " minus a prompt token)")
+        return self
+
+    @model_validator(mode="after")
+    def _expert_statistic_target(self):
+        if self.deploy.trtllm.expert_statistic is not None \
+                and not get_target(self.target).expert_statistic:
+            able = " or ".join(targets_where(lambda t: t.expert_statistic))
+            raise ValueError("deploy.trtllm.expert_statistic is TensorRT-LLM's PyTorch-backend "
+                             f"statistics; set target: {able} (the cpu target exports expert "
+                             "counts by itself)")
+        return self
+
+    @model_validator(mode="after")
+    def _gpu_price(self):
+        if self.validation.cost.usd_per_gpu_hour is not None and not get_target(self.target).gpu:
+            raise ValueError(f"validate.cost.usd_per_gpu_hour prices GPUs; the {self.target} "
+                             "target has none: give validate.cost.usd_per_hour")
+        return self
+
+    def usd_per_hour(self) -> float | None:
+        """The deployment's price per hour (``validate.cost``), GPUs counted as tp x pp."""
+        c = self.validation.cost
+        if c.usd_per_gpu_hour is not None:
+            return c.usd_per_gpu_hour * self.parallel.to_mapping().world_size
+        return c.usd_per_hour
+
+    @property
+    def expert_statistic_dir(self) -> Path:
+        """Where a local trtllm-pytorch server's TensorRT-LLM writes its expert statistics
+        (beside the deployment folder, which `moepipe deploy` replaces)."""
+        return self.workdir / "expert-statistic"
 
     @property
     def deploy_dir(self) -> Path:

@@ -34,11 +34,11 @@ def deployment_not_decoupled(deployment):
     from moepipe.deploy.render.repository import render_deployment
 
     cfg, _ = deployment
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, ranks = free_ports(4)
     nd = cfg.model_copy(deep=True)
     nd.deploy = nd.deploy.model_copy(update={
         "decoupled": False, "output": cfg.workdir / "deploy-not-decoupled",
-        "http_port": http, "grpc_port": grpc, "metrics_port": metrics})
+        "http_port": http, "grpc_port": grpc, "metrics_port": metrics, "rank_port": ranks})
     repo = render_deployment(nd, artifacts(nd))
     state = cfg.workdir / "server-not-decoupled"
     d = nd.deploy

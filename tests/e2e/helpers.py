@@ -20,12 +20,12 @@ def free_ports(n: int) -> list[int]:
 
 
 def make_config(workdir, example="tiny-mixtral", **overrides):
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, ranks = free_ports(4)
     data = {"model": {"example": example}, "target": "cpu",
             "parallel": {"tp": 2, "moe_ep": 2},
             "build": {"max_batch_size": 16, "max_input_len": 256, "max_seq_len": 512},
             "deploy": {"http_port": http, "grpc_port": grpc, "metrics_port": metrics,
-                       "ready_timeout_s": 240},
+                       "rank_port": ranks, "ready_timeout_s": 240},
             "validate": {"max_tokens": 12},
             "workdir": str(workdir)}
     for section, values in overrides.items():

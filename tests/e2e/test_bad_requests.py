@@ -128,3 +128,26 @@ def test_a_client_gone_mid_stream_stops_generation(deployment, model="tensorrt_l
     time.sleep(1.0)
     generated = _metric(ep, "moepipe_generated_tokens_total") - before
     assert 0 < generated < max_tokens, generated
+
+
+@pytest.mark.parametrize("token", [-1, 512, 2**31 - 1])
+def test_postprocessing_refuses_ids_outside_the_vocabulary_in_one_line(deployment, token):
+    """Issue 26 item 17: a token id outside the vocabulary sent to postprocessing was HTTP 500
+    with a Python traceback (file paths and all) as its body, or silently dropped from the
+    text; now 400 in the words the tensorrt_llm model uses for a prompt's ids."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    _, ep = deployment
+    body = {"inputs": [
+        {"name": "TOKENS_BATCH", "shape": [1, 1, 2], "datatype": "INT32", "data": [5, token]},
+        {"name": "SEQUENCE_LENGTH", "shape": [1, 1], "datatype": "INT32", "data": [2]}]}
+    req = urllib.request.Request(f"http://{ep.http}/v2/models/postprocessing/infer",
+                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(req, timeout=60)
+    text = answer.value.read().decode()
+    assert answer.value.code == 400, text
+    assert json.loads(text) == {"error": f"token id {token} is outside the vocabulary (0..511)"}
+    assert client.generate(ep.http, "ensemble", {"text_input": "ok", "max_tokens": 2})

@@ -13,7 +13,8 @@ import pytest
 from helpers import free_ports, make_config
 
 from moepipe.commands.deploy import repository_dir, state_dir
-from moepipe.deploy.local import lifecycle, processes
+from moepipe.deploy.local import lifecycle
+from moepipe.deploy.local.state import SERVE_DIR
 
 
 def moepipe(*args, cwd):
@@ -83,7 +84,7 @@ def test_the_pipeline_commands_print_one_json_object(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        processes.kill_all(processes.deployment_processes(repository_dir(cfg), None))
+        lifecycle.clear(repository_dir(cfg).parent / SERVE_DIR)
 
     converted = one_object(moepipe("convert", "--model", cfg.workdir / "model", "--output",
                                    tmp_path / "ckpt", "--tp", 2, "--json", cwd=project))

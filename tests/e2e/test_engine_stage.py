@@ -29,13 +29,13 @@ from moepipe.errors import (
     UnsupportedError,
 )
 from moepipe.mapping import Mapping
+from moepipe.sizing.shapes import shape_of
+from moepipe.sizing.weights import Sharding, stage_weight_bytes
 from moepipe.stages.engine import build_engine_into
 from moepipe.trtllm.engine import (
     check_engine_limits,
     engine_config_version,
     engine_memory,
-    model_params,
-    rank_params,
     trtllm_build_command,
 )
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
@@ -65,8 +65,6 @@ MIXTRAL_8X7B = {
     "rope_theta": 1e6, "hidden_act": "silu", "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "sliding_window": None,
 }
-# Its bf16 safetensors: the HF index's total_size = 2 bytes x 46,702,792,704 parameters.
-MIXTRAL_8X7B_BYTES = 93_405_585_408
 
 
 def config(build=None, trtllm=None, **extra):
@@ -131,7 +129,7 @@ def test_multiple_profiles_with_opt_num_tokens_is_refused(tmp_path, mixtral):
                                           r"build.opt_num_tokens"):
         trtllm_build_command(cfg, tmp_path / "ckpt", tmp_path / "engine")
     with pytest.raises(ConfigError, match="multiple_profiles"):
-        check_engine_limits(cfg, mixtral, Mapping.create(tp=8), MIXTRAL_8X7B_BYTES, 2)
+        check_engine_limits(cfg, mixtral, Mapping.create(tp=8))
     assert "--multiple_profiles" in trtllm_build_command(
         config({"multiple_profiles": True}), tmp_path / "ckpt", tmp_path / "engine")
 
@@ -140,32 +138,35 @@ def test_multiple_profiles_with_opt_num_tokens_is_refused(tmp_path, mixtral):
 
 
 def test_parameter_count_of_mixtral_8x7b(mixtral):
-    assert model_params(mixtral) == 46_702_792_704  # = the HF checkpoint's bytes / 2
+    assert shape_of(mixtral).parameters() == 46_702_792_704  # = the HF checkpoint's bytes / 2
 
 
 H, V, L, INTER, E = 4096, 32000, 32, 14336, 8
-NORMS_ROUTER = 2 * H + E * H  # per layer, on every rank
+NORMS = 2 * H  # per layer, on every rank
+# per layer, on every rank, in float32: TensorRT-LLM's MoE router is a float32 RowLinear
+# ("Routing is sensitive", tensorrt_llm/layers/moe.py), as in its checkpoint
+ROUTER = E * H
 
 
 def mixtral_rank_bytes(tp, moe_tp, moe_ep):
-    """Hand count of one rank's bf16 bytes at pp=1 (q/o split by tp; k/v: one 128-wide head
-    of the 8 per tp rank at tp=8, two at tp=4; experts E/moe_ep of width INTER/moe_tp; embedding
-    replicated; lm_head split by tp; final norm)."""
+    """Hand count of one rank's bytes at pp=1 (bf16, the routers float32; q/o split by tp; k/v:
+    one 128-wide head of the 8 per tp rank at tp=8, two at tp=4; experts E/moe_ep of width
+    INTER/moe_tp; embedding replicated; lm_head split by tp; final norm)."""
     attention = 2 * H * (H // tp) + 2 * H * (8 // tp) * 128
     experts = (E // moe_ep) * 3 * H * (INTER // moe_tp)
-    return 2 * (L * (attention + NORMS_ROUTER + experts) + V * H + (V // tp) * H + H)
+    return 2 * (L * (attention + NORMS + experts) + V * H + (V // tp) * H + H) + 4 * L * ROUTER
 
 
 @pytest.mark.parametrize("mapping,expected", [
     (Mapping.create(tp=8), {
-        "weights": mixtral_rank_bytes(tp=8, moe_tp=8, moe_ep=1),  # 11,907,375,104
+        "weights": mixtral_rank_bytes(tp=8, moe_tp=8, moe_ep=1),  # 11,909,472,256
         "kv_cache": 2 * 32 * 1 * 128 * (8 * 2048) * 2,  # K+V x layers x heads x dim x tokens
         "activations": 2 * 8192 * 4096 * 10,  # bf16 x max_num_tokens x heads*dim x c(8)
         "moe_workspace": 8192 * 4096 * 8 * 2 // 128 * 4,  # tokens x A x E x top-k / ep / 128
         "runtime": 392 * MIB + 3584 * MIB,  # NCCL at tp=8 + CUDA context etc.
     }),
     (Mapping.create(tp=4, moe_ep=2), {
-        "weights": mixtral_rank_bytes(tp=4, moe_tp=2, moe_ep=2),  # 23,549,976,576
+        "weights": mixtral_rank_bytes(tp=4, moe_tp=2, moe_ep=2),  # 23,552,073,728
         "kv_cache": 2 * 32 * 2 * 128 * (8 * 2048) * 2,
         "activations": 2 * 8192 * 4096 * 10,
         "moe_workspace": 8192 * 4096 * 8 * 2 // 2 // 128 * 4,
@@ -173,15 +174,15 @@ def mixtral_rank_bytes(tp, moe_tp, moe_ep):
     }),
 ])
 def test_engine_memory_of_full_size_mixtral(mixtral, mapping, expected):
-    usage = engine_memory(config(), mixtral, mapping, MIXTRAL_8X7B_BYTES, kv_dtype_bytes=2)
+    usage = engine_memory(config(), mixtral, mapping)
     assert usage == {**expected, "total": sum(expected.values())}
-    literal = {8: (11_907_375_104, 268_435_456, 8_388_608 * 2),
-               4: (23_549_976_576, 536_870_912, 8_388_608)}[mapping.tp]
+    literal = {8: (11_909_472_256, 268_435_456, 8_388_608 * 2),
+               4: (23_552_073_728, 536_870_912, 8_388_608)}[mapping.tp]
     assert (usage["weights"], usage["kv_cache"], usage["moe_workspace"]) == literal
 
 
 def test_kv_heads_are_duplicated_not_split_beyond_their_number(mixtral):
-    at = {tp: engine_memory(config(), mixtral, Mapping.create(tp=tp), MIXTRAL_8X7B_BYTES, 2)
+    at = {tp: engine_memory(config(), mixtral, Mapping.create(tp=tp))
           for tp in (4, 8, 16)}
     assert at[4]["kv_cache"] == 2 * at[8]["kv_cache"]
     assert at[16]["kv_cache"] == at[8]["kv_cache"]  # 8 KV heads: one per rank, duplicated
@@ -189,16 +190,17 @@ def test_kv_heads_are_duplicated_not_split_beyond_their_number(mixtral):
 
 def test_the_busiest_pipeline_stage_is_reported(mixtral):
     mapping = Mapping.create(tp=2, pp=2)
-    usage = engine_memory(config(), mixtral, mapping, MIXTRAL_8X7B_BYTES, 2)
-    first, last = rank_params(mixtral, mapping, 0), rank_params(mixtral, mapping, 1)
-    assert first - last == V * H - (V // 2) * H - H  # embedding vs. half lm_head + final norm
-    assert usage["weights"] == 2 * first
+    usage = engine_memory(config(), mixtral, mapping)
+    s = Sharding(2, 2, 2, 1)
+    first, last = (stage_weight_bytes(shape_of(mixtral), s, st, "none") for st in (0, 1))
+    assert first - last == 2 * (V * H - (V // 2) * H - H)  # embedding vs. half lm_head + norm
+    assert usage["weights"] == first
     assert usage["kv_cache"] == 2 * 16 * 4 * 128 * (8 * 2048) * 2  # 16 layers per stage
 
 
 def test_fp8_kv_cache_halves_the_kv_estimate(mixtral):
-    bf16, fp8 = (engine_memory(config(), mixtral, Mapping.create(tp=8), MIXTRAL_8X7B_BYTES, b)
-                 for b in (2, 1))
+    bf16, fp8 = (engine_memory(config(quantize={"format": "fp8", "kv_cache": kv}), mixtral,
+                               Mapping.create(tp=8)) for kv in ("none", "fp8"))
     assert fp8["kv_cache"] * 2 == bf16["kv_cache"]
 
 
@@ -206,20 +208,19 @@ def test_fp8_kv_cache_halves_the_kv_estimate(mixtral):
 
 
 def test_limits_that_fit_pass_and_return_the_estimate(mixtral):
-    usage = check_engine_limits(config(), mixtral, Mapping.create(tp=8), MIXTRAL_8X7B_BYTES, 2)
+    usage = check_engine_limits(config(), mixtral, Mapping.create(tp=8))
     assert usage["total"] < 80 * GIB
 
 
 def test_too_much_memory_is_refused_with_the_numbers(mixtral):
     with pytest.raises(ConfigError) as err:
-        check_engine_limits(config(), mixtral, Mapping.create(tp=1), MIXTRAL_8X7B_BYTES, 2)
+        check_engine_limits(config(), mixtral, Mapping.create(tp=1))
     message = str(err.value)
     assert "need about 93.9 GiB per GPU (weights 87.0 + kv cache 2.0 + activations 1.4" in message
     assert "more than build.gpu_memory_gb (80 GiB)" in message and "parallel.tp" in message
     assert "\n" not in message
     # the same limits on a 141 GiB H200
-    check_engine_limits(config({"gpu_memory_gb": 141}), mixtral, Mapping.create(tp=1),
-                        MIXTRAL_8X7B_BYTES, 2)
+    check_engine_limits(config({"gpu_memory_gb": 141}), mixtral, Mapping.create(tp=1))
 
 
 @pytest.mark.parametrize("build,trtllm,message", [
@@ -240,13 +241,12 @@ def test_too_much_memory_is_refused_with_the_numbers(mixtral):
 ])
 def test_absurd_limits_are_refused(mixtral, build, trtllm, message):
     with pytest.raises(ConfigError, match=message):
-        check_engine_limits(config(build, trtllm), mixtral, Mapping.create(tp=8),
-                            MIXTRAL_8X7B_BYTES, 2)
+        check_engine_limits(config(build, trtllm), mixtral, Mapping.create(tp=8))
 
 
 def test_chunked_context_lets_a_prompt_span_several_steps(mixtral):
     check_engine_limits(config({"max_num_tokens": 512}, {"enable_chunked_context": True}),
-                        mixtral, Mapping.create(tp=8), MIXTRAL_8X7B_BYTES, 2)
+                        mixtral, Mapping.create(tp=8))
 
 
 def test_prompt_limit_must_leave_room_to_generate(mixtral):
@@ -262,11 +262,10 @@ def test_int8_sq_on_the_engine_path_needs_a_moe_without_shared_expert():
     from moepipe.examples import example_spec
 
     mixtral = config(quantize={"format": "int8_sq"})
-    check_engine_limits(mixtral, example_spec("tiny-mixtral"), Mapping.create(tp=2), 10**6, 2)
+    check_engine_limits(mixtral, example_spec("tiny-mixtral"), Mapping.create(tp=2))
     qwen2 = config(quantize={"format": "int8_sq"}, model={"example": "tiny-qwen2-moe"})
     with pytest.raises(UnsupportedError, match="drops this model's shared expert"):
-        check_engine_limits(qwen2, example_spec("tiny-qwen2-moe"), Mapping.create(tp=2),
-                            10**6, 2)
+        check_engine_limits(qwen2, example_spec("tiny-qwen2-moe"), Mapping.create(tp=2))
 
 
 # --- building ---------------------------------------------------------------------------------

@@ -103,12 +103,12 @@ def test_a_dead_primary_opens_the_circuit_and_no_request_fails(with_fallback):
     import os
     import signal
 
-    from moepipe.commands.deploy import repository_dir
+    from moepipe.commands.deploy import state_dir
     from moepipe.deploy.local import processes
 
     cfg = with_fallback
     failures = cfg.deploy.fallback.failures
-    procs = processes.deployment_processes(repository_dir(cfg))
+    procs = processes.deployment_processes(state_dir(cfg))
     processes.kill_all([p for p in procs if p.kind == "supervisor"])
     primary = next(p.pid for p in procs if p.model == "tensorrt_llm_0_0")
     os.kill(primary, signal.SIGKILL)

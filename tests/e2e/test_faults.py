@@ -18,7 +18,8 @@ from helpers import make_config
 
 from moepipe.commands.build import run_build
 from moepipe.commands.deploy import repository_dir, run_deploy, state_dir
-from moepipe.deploy.local import processes
+from moepipe.deploy.local import lifecycle, processes
+from moepipe.deploy.local.state import SERVE_DIR
 from moepipe.errors import MoepipeError
 
 
@@ -65,7 +66,12 @@ def _default_sigint():
 
 
 def _left(cfg):
-    return processes.deployment_processes(repository_dir(cfg))
+    return processes.deployment_processes(state_dir(cfg))
+
+
+def _served(cfg):
+    """The processes of a `moepipe serve` of the deployment's repository."""
+    return processes.deployment_processes(repository_dir(cfg).parent / SERVE_DIR)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +173,7 @@ def test_serve_restarts_a_dead_model_process_and_stops_on_ctrl_c(faulty):
     import threading
 
     cfg = faulty
-    processes.kill_all(_left(cfg))  # the module's deployment, if a test left it running
+    lifecycle.clear(state_dir(cfg))  # the module's deployment, if a test left it running
     proc = subprocess.Popen(
         [sys.executable, "-m", "moepipe", "serve", str(repository_dir(cfg)), "--http-port",
          str(cfg.deploy.http_port), "--grpc-port", str(cfg.deploy.grpc_port),
@@ -191,7 +197,7 @@ def test_serve_restarts_a_dead_model_process_and_stops_on_ctrl_c(faulty):
 
     try:
         until("Ctrl-C to stop")  # ready, and its model processes are being watched
-        stub = next(p.pid for p in _left(cfg) if p.model == "tensorrt_llm_0_0")
+        stub = next(p.pid for p in _served(cfg) if p.model == "tensorrt_llm_0_0")
         killed = time.monotonic()
         os.kill(stub, signal.SIGKILL)
         seen = until("serving again")
@@ -207,13 +213,14 @@ def test_serve_restarts_a_dead_model_process_and_stops_on_ctrl_c(faulty):
             while not lines.empty():
                 left.append(lines.get())
             raise AssertionError(f"serve still running 120 s after Ctrl-C: {seen + left}, "
-                                 f"processes {[(p.pid, p.kind) for p in _left(cfg)]}") from None
+                                 f"processes {[(p.pid, p.kind) for p in _served(cfg)]}") \
+                from None
         assert code == 130
-        assert _left(cfg) == []
+        assert _served(cfg) == []
     finally:
         if proc.poll() is None:
             proc.kill()
-        processes.kill_all(_left(cfg))
+        processes.kill_all(_served(cfg))
 
 
 def test_lost_server_json_and_orphans_after_sigkill(tmp_path):

@@ -26,14 +26,14 @@ def _cli(*args, cwd):
 
 
 def _project(folder, fmt, kv, example, target="cpu"):
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, ranks = free_ports(4)
     data = {"model": {"example": example}, "target": target,
             "parallel": {"tp": 2, "moe_ep": 2},
             "quantize": {"format": fmt, "kv_cache": kv,
                          "calibration": {"samples": 16, "seq_len": 64, "eval_samples": 4}},
             "build": {"max_batch_size": 8, "max_input_len": 128, "max_seq_len": 256},
             "deploy": {"http_port": http, "grpc_port": grpc, "metrics_port": metrics,
-                       "ready_timeout_s": 240},
+                       "rank_port": ranks, "ready_timeout_s": 240},
             "validate": {"max_tokens": 12, "min_token_agreement": 0.0},
             "workdir": "work"}
     folder.mkdir(parents=True, exist_ok=True)

@@ -22,10 +22,10 @@ import yaml
 from moepipe.config import parse_config
 from moepipe.conversion.write import convert
 from moepipe.deploy.render.repository import render_deployment
-from moepipe.deploy.render.targets import TARGETS as REGISTERED_TARGETS
 from moepipe.deploy.render.targets import Artifacts
 from moepipe.deploy.render.templates import check_repository
 from moepipe.errors import ConfigError, MappingError
+from moepipe.targets import TARGETS as REGISTERED_TARGETS
 from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
 
 TARGETS = sorted(REGISTERED_TARGETS)
@@ -486,6 +486,27 @@ def test_launch_starts_one_rank_per_gpu(launch):
         assert "--http-port=8000" in rank and "--exit-timeout-secs=30" in rank
         workers_only = ["--model-control-mode=explicit", "--load-model=tensorrt_llm"]
         assert all((flag in rank) == (i > 0) for flag in workers_only)
+
+
+def test_launch_ranks_export_the_metrics_trtllm_engine_declares(launch):
+    """Every Triton metric trtllm-engine's dashboards and alerts may read is produced by the
+    flags launch.sh gives rank 0 (it once passed no --metrics-config: the summaries the p99
+    alert reads never existed); the flags are the ones every other server gets."""
+    from triton_metrics import triton_part, triton_reports
+
+    from moepipe.deploy.metric_names import exported
+    from moepipe.deploy.tritonserver import ServerCommand
+
+    script, engine, stubs = launch
+    stub_machine(stubs)
+    fake_engine(engine)
+    assert run(script, stubs).returncode == 0
+    args = (stubs / "mpirun.args").read_text().splitlines()
+    rank0 = args[args.index("tritonserver") + 1:args.index(":")]
+    assert triton_part(exported("trtllm-engine")) <= triton_reports(rank0, gpus=True)
+    repo = script.parent / "model_repo"
+    command = ServerCommand(repo, "127.0.0.1", 8000, 8001, 8002, 30, gpu_metrics=True)
+    assert rank0 == command.rank_args(0)
 
 
 # --- trtllm-pytorch -------------------------------------------------------------------------

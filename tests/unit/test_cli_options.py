@@ -46,7 +46,7 @@ def test_choices_are_the_registries():
     from moepipe.config import JobName
     from moepipe.examples import EXAMPLES
     from moepipe.planner.plan import GOALS
-    from moepipe.planner.weights import FORMATS
+    from moepipe.sizing.weights import FORMATS
     from moepipe.stages.registry import STAGES
     from moepipe.validate.registry import JOBS
 

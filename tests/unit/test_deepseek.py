@@ -240,14 +240,69 @@ def test_engine_kv_estimate_counts_one_latent_per_token_and_layer(tmp_path):
     from moepipe.mapping import Mapping
     from moepipe.trtllm.engine import engine_memory
 
-    data = {"model": {"example": "tiny-deepseek-v2"}, "target": "trtllm-engine",
+    data = {"model": {"example": "tiny-deepseek-v2", "dtype": "bfloat16"},
+            "target": "trtllm-engine",
             "build": {"max_batch_size": 2, "max_input_len": 64, "max_seq_len": 128},
             "workdir": str(tmp_path)}
     cfg = parse_config(data, "moepipe.yaml", "")
     spec = example_spec("tiny-deepseek-v2")
     for tp in (1, 2, 4):
-        mem = engine_memory(cfg, spec, Mapping.create(tp=tp), 10**6, 2)
+        mem = engine_memory(cfg, spec, Mapping.create(tp=tp))
         assert mem["kv_cache"] == 3 * (32 + 8) * 2 * 128 * 2
+
+
+def test_engine_estimate_counts_deepseek_dense_layers_and_mla_shapes(tmp_path):
+    """The engine pre-flight's GPU memory is the sizing model's: DeepSeek's first layers are
+    dense MLPs (not 64 routed experts each) and its MLA projections have their own shapes, so
+    the weights are exactly the per-tensor bytes the converter writes; the activation width is
+    heads x v_head_dim (the attention output), not heads x the rope dimension. (The engine's
+    estimate used to count every layer as MoE at an average width.)"""
+    from moepipe.arch import get_family
+    from moepipe.config import parse_config
+    from moepipe.mapping import Mapping
+    from moepipe.sizing.gpu import ACTIVATION_COEFF
+    from moepipe.sizing.shapes import shape_of
+    from moepipe.sizing.weights import Sharding, stage_weight_bytes
+    from moepipe.trtllm.engine import engine_memory
+
+    # deepseek-ai/DeepSeek-V2-Lite's config.json: 27 layers, the first dense, 64 experts,
+    # no query compression (q_lora_rank null), kv_lora_rank 512, rope 64, v_head_dim 128.
+    v2_lite = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+        "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "topk_method": "greedy", "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "hidden_act": "silu", "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "original_max_position_embeddings": 4096}}
+    spec = get_family("DeepseekV2ForCausalLM").spec(v2_lite, "DeepSeek-V2-Lite config.json")
+    cfg = parse_config({"model": {"example": "tiny-deepseek-v2"}, "target": "trtllm-engine",
+                        "workdir": str(tmp_path)}, "moepipe.yaml", "")
+    shape = shape_of(spec)
+    assert shape.dense_layers == (0,) and shape.mla
+    for tp, pp in [(1, 1), (2, 1), (2, 3)]:
+        usage = engine_memory(cfg, spec, Mapping.create(tp=tp, pp=pp))
+        s = Sharding(tp, pp, 1, tp)
+        assert usage["weights"] == max(stage_weight_bytes(shape, s, st, "none", "bfloat16")
+                                       for st in range(pp))
+        tokens = 8192  # min(max_num_tokens, max_batch_size x max_seq_len)
+        assert usage["activations"] == 2 * tokens * 16 * 128 * ACTIVATION_COEFF[tp]
+    # one GPU: the dense first layer's MLP (3 x 2048 x 10944) instead of an MoE layer's 64
+    # routed + 2 shared experts (66 x 3 x 2048 x 1408) and router (64 x 2048, float32)
+    whole = engine_memory(cfg, spec, Mapping.create(tp=1))["weights"]
+    moe = 66 * 3 * 2048 * 1408 * 2 + 64 * 2048 * 4
+    dense = 3 * 2048 * 10944 * 2
+    all_moe = stage_weight_bytes(
+        shape_of(type(spec)(**{**spec.to_dict(), "first_k_dense_replace": 0})),
+        Sharding(1, 1, 1, 1), 0, "none", "bfloat16")
+    assert all_moe - whole == moe - dense
 
 
 def test_dense_layers_must_split_evenly():
@@ -286,8 +341,8 @@ def test_full_width_deepseek_v3_plans_to_the_planners_bytes():
     from moepipe.arch import get_family
     from moepipe.conversion.plan import plan_conversion
     from moepipe.mapping import Mapping
-    from moepipe.planner.shapes import model_shape
-    from moepipe.planner.weights import Sharding, stage_weight_bytes
+    from moepipe.sizing.shapes import model_shape
+    from moepipe.sizing.weights import Sharding, stage_weight_bytes
 
     path = Path(__file__).parents[2] / "pipeline/moepipe/planner/configs/deepseek-v3.json"
     cfg = {**json.loads(path.read_text()), "num_hidden_layers": 5}

@@ -8,11 +8,11 @@ from meta_reader import MetaReader
 from transformers import AutoModelForCausalLM, GptOssConfig, OlmoeConfig
 
 from moepipe.arch import get_family
-from moepipe.arch.targets import check_target
 from moepipe.config import parse_config
 from moepipe.conversion.plan import plan_conversion, unmapped_tensors
 from moepipe.errors import UnsupportedError
 from moepipe.mapping import Mapping
+from moepipe.targets import check_family
 
 # allenai/OLMoE-1B-7B-0924 config.json (the fields that shape tensors)
 OLMOE_1B_7B = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
@@ -61,7 +61,7 @@ def test_gpu_targets_refuse_olmoe_before_the_build_runs(target, tmp_path):
     assert "\n" not in str(err.value) and "target: cpu" in err.value.hint
     preflight("tiny-olmoe", "cpu")
     preflight("tiny-mixtral", target)
-    check_target(get_family("MixtralForCausalLM"), target)
+    check_family(get_family("MixtralForCausalLM"), target)
 
 
 def test_olmoe_clip_qkv_is_refused():
@@ -213,7 +213,7 @@ def test_gpt_oss_20b_shapes_and_config_on_meta_device():
 def test_planner_counts_every_parameter(config, arch, total):
     """`moepipe plan` reads both families: its arithmetic equals transformers' meta model
     (q/k norms over the projection, sinks, router and expert biases included)."""
-    from moepipe.planner.shapes import model_shape
+    from moepipe.sizing.shapes import model_shape
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -225,7 +225,7 @@ def test_planner_counts_every_parameter(config, arch, total):
 def test_quantizing_olmoe_or_gpt_oss_is_refused_in_one_line(arch):
     """modelopt's export does not take OLMoE's unfused experts (it expects Mixtral's w1/w2/w3)
     and GPT-OSS's experts are computed, not sliced: both refuse before any stage runs."""
-    from moepipe.arch.targets import check_quantizable
+    from moepipe.arch.family import check_quantizable
 
     with pytest.raises(UnsupportedError, match=f"does not quantize {arch}"):
         check_quantizable(get_family(arch), "fp8")

@@ -216,7 +216,7 @@ def test_every_load_job_has_a_config_section_with_working_defaults():
     assert v.slo.ttft_p99_ms == 50 and v.slo.max_error_rate == 0.0
     assert v.balance.max_std_over_mean == 0.5 and v.balance.min_tokens > 0
     assert v.burst.factor == 5.0 and v.long_tail.long_share == pytest.approx(0.1)
-    assert v.recovery.kill == ["server", "backend"]
+    assert v.recovery.kill == ["rank", "server", "backend"]
 
 
 def _report():

@@ -120,7 +120,7 @@ GQA.pop("dense_intermediate_size")
 @pytest.mark.parametrize("name", sorted(set(GQA) & set(LIMITS)))
 def test_every_limit_is_enforced_by_stages_and_planner_alike(name):
     from moepipe.arch import get_family
-    from moepipe.planner.shapes import model_shape
+    from moepipe.sizing.shapes import model_shape
 
     lo, hi = LIMITS[name]
     key = GQA[name]

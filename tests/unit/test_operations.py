@@ -24,10 +24,9 @@ import yaml
 from moepipe.config import parse_config
 from moepipe.deploy.cluster import grafana, k8s, monitoring
 from moepipe.deploy.cluster.operate import RULES_FILE, render_operations
-from moepipe.deploy.metric_names import EXPORTED, TRTLLM_FAMILIES, metrics_in
-from moepipe.deploy.render.targets import TARGETS as REGISTERED_TARGETS
-from moepipe.deploy.render.targets import Artifacts
+from moepipe.deploy.metric_names import TRTLLM_FAMILIES, exported, metrics_in
 from moepipe.errors import ConfigError
+from moepipe.targets import TARGETS as REGISTERED_TARGETS
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
 SCHEMAS = Path(__file__).parents[1] / "data" / "crd-schemas"
@@ -100,7 +99,7 @@ def render(tmp_path: Path, target: str = "cpu", **deploy) -> tuple[object, Path]
     cfg = make_cfg(tmp_path, target, **deploy)
     out = tmp_path / "deploy"
     out.mkdir()
-    render_operations(cfg, Artifacts(model_dir=tmp_path), out)
+    render_operations(cfg, out)
     return cfg, out
 
 
@@ -122,11 +121,19 @@ def pod_templates(docs: list[dict]) -> list[dict]:
     return out
 
 
-SHAPES = [(t, {}) for t in TARGETS] + [("trtllm-engine", {"tp": 8, "pp": 2})]
+# tp=2 by default: the cpu target's rank group is one pod per rank; tp=1 is one pod
+SHAPES = [(t, {}) for t in TARGETS if t != "cpu"] + [
+    ("cpu", {"tp": 1}), ("cpu", {"tp": 2}), ("trtllm-engine", {"tp": 8, "pp": 2})]
 
 
-@pytest.mark.parametrize(("target", "extra"), SHAPES,
-                         ids=[f"{t}-{'multinode' if e else 'single'}" for t, e in SHAPES])
+def _multi(target, extra):
+    return (target == "cpu" and extra.get("tp", 2) > 1) or "pp" in extra
+
+
+IDS = [f"{t}-{'multinode' if _multi(t, e) else 'single'}" for t, e in SHAPES]
+
+
+@pytest.mark.parametrize(("target", "extra"), SHAPES, ids=IDS)
 def test_kubernetes_manifests_pass_kustomize_and_validators(tmp_path, target, extra):
     cfg, out = render(tmp_path, target, **extra)
     docs = kustomize(out / "k8s")
@@ -135,7 +142,7 @@ def test_kubernetes_manifests_pass_kustomize_and_validators(tmp_path, target, ex
         problems = [p for d in docs for p in k8s_errors(d, version)]
         assert problems == [], problems
     kinds = by_kind(docs)
-    multi = bool(extra)
+    multi = _multi(target, extra)
     assert ("LeaderWorkerSet" in kinds) is multi and ("Deployment" in kinds) is not multi
     assert {"Service", "HorizontalPodAutoscaler", "PodDisruptionBudget"} <= kinds.keys()
     hpa = kinds["HorizontalPodAutoscaler"][0]["spec"]
@@ -170,7 +177,9 @@ def test_kubernetes_manifests_pass_kustomize_and_validators(tmp_path, target, ex
                 "metrics": cfg.deploy.metrics_port}
     if multi:
         lws = kinds["LeaderWorkerSet"][0]["spec"]["leaderWorkerTemplate"]
-        assert lws["size"] == 2  # 16 ranks over nodes of 8 GPUs
+        assert lws["size"] == 2  # 16 ranks over nodes of 8 GPUs; 2 cpu ranks
+        assert lws["restartPolicy"] == ("None" if target == "cpu" else
+                                        "RecreateGroupOnPodRestart")
         headless = [s for s in kinds["Service"] if s["spec"].get("clusterIP") == "None"]
         assert len(headless) == 1
 
@@ -194,8 +203,10 @@ def test_validators_reject_broken_objects(tmp_path):
     assert k8s_errors(svc, "1.37")
 
 
-def test_multinode_launch_scripts_pass_shellcheck(tmp_path):
-    _, out = render(tmp_path, "trtllm-engine", tp=8, pp=2)
+@pytest.mark.parametrize(("target", "extra"), [("trtllm-engine", {"tp": 8, "pp": 2}),
+                                               ("cpu", {"tp": 2})])
+def test_multinode_launch_scripts_pass_shellcheck(tmp_path, target, extra):
+    _, out = render(tmp_path, target, **extra)
     (cm,) = by_kind(kustomize(out / "k8s"))["ConfigMap"]
     for name, text in cm["data"].items():
         path = tmp_path / name
@@ -203,11 +214,14 @@ def test_multinode_launch_scripts_pass_shellcheck(tmp_path):
         res = subprocess.run([_tool("shellcheck"), "-s", "sh", str(path)], capture_output=True,
                              text=True, timeout=60)
         assert res.returncode == 0, res.stdout
-    assert "-np 16" in cm["data"]["leader.sh"]
+    if target == "cpu":  # the e2e test test_rank_hosts.py runs them in two network namespaces
+        assert set(cm["data"]) == {"leader.sh", "worker.sh"}
+        assert "MOEPIPE_RANK_LISTEN=" in cm["data"]["leader.sh"]
+    else:
+        assert "-np 16" in cm["data"]["leader.sh"]
 
 
-@pytest.mark.parametrize(("target", "extra"), SHAPES,
-                         ids=[f"{t}-{'multinode' if e else 'single'}" for t, e in SHAPES])
+@pytest.mark.parametrize(("target", "extra"), SHAPES, ids=IDS)
 def test_serving_pods_raise_the_stack_limit_before_tritonserver(tmp_path, target, extra):
     """A form-encoded body of a few MB must not kill a pod's server (Triton's HTTP frontend
     parses it into stack arrays, see moepipe.deploy.tritonserver.SERVER_STACK_BYTES): the serving
@@ -218,10 +232,11 @@ def test_serving_pods_raise_the_stack_limit_before_tritonserver(tmp_path, target
     _, out = render(tmp_path, target, **extra)
     docs = kustomize(out / "k8s")
     kinds = by_kind(docs)
-    if extra:
+    if _multi(target, extra):
         (cm,) = kinds["ConfigMap"]
         leader = cm["data"]["leader.sh"]
-        assert leader.index(RAISE_STACK) < leader.index("exec mpirun")
+        server = "exec tritonserver" if target == "cpu" else "exec mpirun"
+        assert leader.index(RAISE_STACK) < leader.index(server)
     else:
         (c,) = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"]
         shell, flag, script, name, *args = c["command"]
@@ -261,8 +276,9 @@ def test_impossible_multinode_shapes_are_config_errors(tmp_path, bad):
         render(tmp_path, bad.pop("target"), **bad)
 
 
-def test_cpu_target_has_no_gpus_even_with_many_ranks():
-    assert k8s.shape("cpu", 16, 8) == k8s.Shape(16, 1, 0)
+def test_cpu_target_has_no_gpus_and_one_rank_per_pod():
+    assert k8s.shape("cpu", 16, 8) == k8s.Shape(16, 16, 0)
+    assert k8s.shape("cpu", 1, 8) == k8s.Shape(1, 1, 0)
 
 
 # -- Prometheus ---------------------------------------------------------------------------
@@ -382,7 +398,7 @@ def test_dashboard_reads_only_exported_metrics(tmp_path, target):
         assert 0 <= panel["gridPos"]["x"] and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
         for t in panel["targets"]:
             used = metrics_in(t["expr"])
-            assert used and used <= EXPORTED[target], (panel["title"], used - EXPORTED[target])
+            assert used and used <= exported(target), (panel["title"], used - exported(target))
     titles = " | ".join(p["title"] for p in dash["panels"])
     for wanted in ("Request rate", "Latency percentiles", "Queue time"):
         assert wanted in titles

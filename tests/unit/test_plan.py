@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moepipe.arch import REGISTRY
 from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.checkpoints.reader import CheckpointReader
 from moepipe.conversion.plan import plan_conversion
@@ -15,11 +16,12 @@ from moepipe.errors import MoepipeError
 from moepipe.examples import family_examples
 from moepipe.mapping import legal_mappings
 from moepipe.planner.aic import TASK_FIELDS, aiconfigurator_task, write_aiconfigurator
-from moepipe.planner.estimate import Workload, kv_bytes_per_token
+from moepipe.planner.estimate import Workload
 from moepipe.planner.hardware import parse_cluster
 from moepipe.planner.plan import PUBLISHED, load_model, make_plan
-from moepipe.planner.shapes import READERS, model_shape
-from moepipe.planner.weights import Sharding, model_bytes, stage_weight_bytes
+from moepipe.sizing.gpu import kv_bytes_per_token
+from moepipe.sizing.shapes import model_shape
+from moepipe.sizing.weights import Sharding, model_bytes, stage_weight_bytes
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
 
@@ -85,7 +87,7 @@ def test_deepseek_v3_fp8_block_bytes():
 
 
 # every registered family the planner reads (DeepSeek's MLA and dense layers included)
-CONVERTED = [name for arch, name in family_examples().items() if arch in READERS]
+CONVERTED = [name for arch, name in family_examples().items() if arch in REGISTRY]
 
 
 @pytest.mark.parametrize("family", CONVERTED)
@@ -338,3 +340,23 @@ def test_quantized_rank_bytes_equal_the_converter_plan(algo, fmt, family, exampl
                 == plan.rank_bytes(rank), (m, rank)
             checked += 1
     assert checked >= 8
+
+
+def test_the_planner_and_the_engine_preflight_count_the_same_weights(tmp_path):
+    """One sizing model: on the trtllm-engine target the planner's weights per GPU are the
+    engine pre-flight's (moepipe.trtllm.engine.engine_memory), mapping by mapping."""
+    from moepipe.arch import get_family
+    from moepipe.config import parse_config
+    from moepipe.mapping import Mapping
+    from moepipe.trtllm.engine import engine_memory
+
+    spec = get_family("MixtralForCausalLM").spec(json.loads(PUBLISHED["Mixtral-8x7B"]
+                                                            .read_text()), "Mixtral-8x7B")
+    cfg = parse_config({"model": {"example": "tiny-mixtral"}, "target": "trtllm-engine",
+                        "workdir": str(tmp_path)})
+    plan = _plan("Mixtral-8x7B", "2x8xH100", target="trtllm-engine")
+    assert len(plan.candidates) > 10
+    for e in plan.candidates:
+        s = e.sharding
+        mapping = Mapping.create(tp=s.tp, pp=s.pp, moe_tp=s.moe_tp, moe_ep=s.moe_ep)
+        assert engine_memory(cfg, spec, mapping)["weights"] == e.weights, s

@@ -1,16 +1,16 @@
-"""The Kubernetes memory request of a serving pod comes from the planner's arithmetic
-(moepipe.planner.pods): exact weight bytes of the pod's ranks, the cpu runtime's KV cache."""
+"""The Kubernetes memory request of a serving pod comes from the sizing model
+(moepipe.sizing.pods): exact weight bytes of the pod's ranks, the cpu runtime's KV cache."""
 
 import math
 
 import pytest
 
-from moepipe.commands.deploy import pod_memory
 from moepipe.config import parse_config
-from moepipe.planner.estimate import kv_bytes_per_token
+from moepipe.deploy.cluster.operate import pod_memory
 from moepipe.planner.plan import load_model
-from moepipe.planner.pods import CPU_HEADROOM, GIB, pod_memory_bytes
-from moepipe.planner.weights import Sharding, stage_weight_bytes
+from moepipe.sizing.gpu import kv_bytes_per_token
+from moepipe.sizing.pods import CPU_HEADROOM, GIB, pod_memory_bytes
+from moepipe.sizing.weights import Sharding, stage_weight_bytes
 
 # mistralai/Mixtral-8x7B-v0.1 model.safetensors.index.json metadata.total_size (bf16)
 MIXTRAL_HF_BYTES = 93_405_585_408
@@ -33,14 +33,24 @@ def test_a_gpu_pod_holds_its_share_of_the_published_weights_plus_reserve():
 
 
 @pytest.mark.parametrize("tp,moe_ep", [(1, 1), (2, 2)])
-def test_the_cpu_pod_holds_every_rank_in_float32_and_its_kv_cache(examples, tp, moe_ep):
+def test_a_cpu_pod_holds_one_rank_in_float32_and_its_kv_cache(examples, tp, moe_ep):
+    # world size > 1 is a rank group with one rank process per pod (moepipe.ranks)
     m = load_model(examples["tiny-mixtral"])
     s = Sharding(tp, 1, tp // moe_ep, moe_ep)
     got = pod_memory_bytes(m, s, "cpu", max_batch_size=4, max_seq_len=256)
-    weights = tp * stage_weight_bytes(m, s, 0, "none", "float32")
-    kv = tp * kv_bytes_per_token(m, s, m.num_layers, 4) * 4 * 256
-    assert kv == 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4 * 4 * 256  # whole model
+    weights = stage_weight_bytes(m, s, 0, "none", "float32")
+    kv = kv_bytes_per_token(m, s, m.num_layers, 4) * 4 * 256
+    assert tp * kv == 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4 * 4 * 256  # all ranks
     assert got == math.ceil(weights * CPU_HEADROOM) + kv + 2 * GIB
+
+
+def test_a_cpu_pipeline_stage_pod_is_sized_for_the_larger_stage(examples):
+    m = load_model(examples["tiny-mixtral"])
+    s = Sharding(1, 2, 1, 1)
+    got = pod_memory_bytes(m, s, "cpu", max_batch_size=4, max_seq_len=256)
+    per_stage = [math.ceil(stage_weight_bytes(m, s, st, "none", "float32") * CPU_HEADROOM)
+                 + kv_bytes_per_token(m, s, m.num_layers // 2, 4) * 4 * 256 for st in (0, 1)]
+    assert got == max(per_stage) + 2 * GIB
 
 
 def test_deploy_uses_the_planner_for_the_configured_mapping(examples, tmp_path):
@@ -49,4 +59,4 @@ def test_deploy_uses_the_planner_for_the_configured_mapping(examples, tmp_path):
                         "build": {"max_batch_size": 4, "max_input_len": 128, "max_seq_len": 256}})
     m = load_model(examples["tiny-mixtral"])
     want = pod_memory_bytes(m, Sharding(2, 1, 1, 2), "cpu", max_batch_size=4, max_seq_len=256)
-    assert pod_memory(cfg, examples["tiny-mixtral"]) == math.ceil(want / GIB) * 1024
+    assert pod_memory(cfg) == math.ceil(want / GIB) * 1024

@@ -55,11 +55,24 @@ def test_only_the_leader_may_read_and_exec_into_pods(tmp_path):
 
 
 def test_one_node_pods_have_no_api_token(tmp_path):
-    _, out = render(tmp_path, "cpu")
+    _, out = render(tmp_path, "cpu", tp=1)
     kinds = by_kind(kustomize(out / "k8s"))
     assert "Role" not in kinds and "ServiceAccount" not in kinds
     (spec,) = [t["spec"] for t in pod_templates(kinds["Deployment"])]
     assert spec["automountServiceAccountToken"] is False
+
+
+def test_cpu_rank_group_pods_have_no_api_token(tmp_path):
+    """The cpu target's LeaderWorkerSet (one rank per pod) needs no kubessh: no account, no
+    rights, no token in either pod."""
+    _, out = render(tmp_path, "cpu", tp=2)
+    kinds = by_kind(kustomize(out / "k8s"))
+    assert "LeaderWorkerSet" in kinds
+    assert "Role" not in kinds and "ServiceAccount" not in kinds
+    specs = [t["spec"] for t in pod_templates(kinds["LeaderWorkerSet"])]
+    assert len(specs) == 2
+    assert all(s["automountServiceAccountToken"] is False and "serviceAccountName" not in s
+               for s in specs)
 
 
 @pytest.mark.parametrize("target", ["cpu", "trtllm-engine", "trtllm-pytorch"])

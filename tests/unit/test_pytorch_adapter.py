@@ -5,55 +5,19 @@ the adapter's own logic - rows of a batch, ``stop`` by request id, refusals - no
 """
 
 import asyncio
-import importlib.util
-import json
 import sys
-import threading
 import time
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+import triton_fake
+from triton_fake import FINAL
+from triton_fake import Request as _Request
 
-MODEL = (Path(__file__).parents[2] / "model_repo" / "targets" / "trtllm-pytorch" / "model_repo"
-         / "tensorrt_llm" / "1" / "model.py")
-FINAL = 1
-
-
-class _Tensor:
-    def __init__(self, name, value):
-        self._name, self._value = name, np.asarray(value)
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._value
-
-
-class _Response:
-    def __init__(self, output_tensors=(), error=None):
-        self.outputs = {t.name(): t.as_numpy() for t in output_tensors}
-        self.error = error
-
-
-class _Error:
-    INVALID_ARG, INTERNAL, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "UNAVAILABLE"
-
-    def __init__(self, message, code=None):
-        self.message, self.code = message, code
-
-
-def _pb_utils():
-    pb = types.ModuleType("triton_python_backend_utils")
-    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
-    pb.Tensor, pb.InferenceResponse, pb.TritonError = _Tensor, _Response, _Error
-    pb.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
-    pb.using_decoupled_model_transaction_policy = \
-        lambda cfg: cfg["model_transaction_policy"]["decoupled"]
-    pb.Logger = types.SimpleNamespace(log_warn=lambda msg: None)
-    return pb
+TEMPLATE = (Path(__file__).parents[2] / "model_repo" / "targets" / "trtllm-pytorch"
+            / "model_repo" / "tensorrt_llm" / "1")
 
 
 class _Result:
@@ -98,49 +62,29 @@ def _tensorrt_llm():
     return trt
 
 
-class _Sender:
-    def __init__(self):
-        self.sent, self.done = [], threading.Event()
-
-    def is_cancelled(self):
-        return False
-
-    def send(self, response=None, flags=0):
-        self.sent.append((response, flags))
-        if flags & FINAL:
-            self.done.set()
-
-
-class _Request:
-    def __init__(self, request_id="", **inputs):
-        self.inputs = {k: _Tensor(k, v) for k, v in inputs.items()}
-        self._id, self.sender = request_id, _Sender()
-
-    def request_id(self):
-        return self._id
-
-    def get_response_sender(self):
-        return self.sender
+def _load(monkeypatch, tmp_path, decoupled, model_yaml="", **extra):
+    """The model as Triton loads it: model.py and model.yaml in the version folder, beside
+    them the serving core and the modules the renderer ships
+    (moepipe.deploy.render.targets.SHIPPED)."""
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", _tensorrt_llm())
+    monkeypatch.setattr(triton_fake.MetricFamily, "made", [])
+    monkeypatch.delitem(sys.modules, "expert_statistic", raising=False)
+    template = tmp_path / "template"
+    template.mkdir()
+    (template / "model.py").write_text((TEMPLATE / "model.py").read_text())
+    (template / "model.yaml").write_text(
+        f"triton_config: {{max_batch_size: 4, decoupled: {str(decoupled).lower()}}}\n"
+        + model_yaml)
+    return triton_fake.load_model(
+        template, tmp_path, triton_fake.module(), triton_fake.config(
+            4, decoupled, exclude_input_in_output="false", trtllm_container="c",
+            trtllm_version="stand-in", max_queue_size="1", **extra),
+        settings={"STATISTIC_POLL_S": 0.05}, target="trtllm-pytorch")
 
 
 @pytest.fixture(params=[True, False], ids=["decoupled", "not-decoupled"])
 def model(request, monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _pb_utils())
-    monkeypatch.setitem(sys.modules, "tensorrt_llm", _tensorrt_llm())
-    folder = tmp_path / "1"
-    folder.mkdir()
-    (folder / "model.py").write_text(MODEL.read_text())
-    (folder / "model.yaml").write_text(
-        f"triton_config: {{max_batch_size: 4, decoupled: {str(request.param).lower()}}}\n")
-    spec = importlib.util.spec_from_file_location("pytorch_adapter_model", folder / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    instance = module.TritonPythonModel()
-    params = {"exclude_input_in_output": "false", "trtllm_container": "c",
-              "trtllm_version": "stand-in", "max_queue_size": "1"}
-    instance.initialize({"model_config": json.dumps({
-        "max_batch_size": 4, "model_transaction_policy": {"decoupled": request.param},
-        "parameters": {k: {"string_value": v} for k, v in params.items()}})})
+    instance = _load(monkeypatch, tmp_path, request.param)
     yield instance
     instance.finalize()
 
@@ -238,3 +182,53 @@ def test_generations_beyond_the_slots_and_the_queue_bound_are_refused_as_busy(mo
         time.sleep(0.01)
     sent = _run(model, _Request(**_inputs([[10, 11]], 2)))
     assert sent[-1][0].outputs["output_ids"][0][0].tolist() == [10, 11, 12, 13]
+
+
+def test_generated_and_prompt_tokens_are_counted(model):
+    _run(model, _Request(**_inputs([[10, 11]], 3)))
+    _run(model, _Request(**_inputs([[7]], 2)))
+    key = (("model", "tensorrt_llm"),)
+    for _ in range(200):  # counted when the generation's coroutine ends
+        if triton_fake.samples("moepipe_generated_tokens_total").get(key) == 5:
+            break
+        time.sleep(0.01)
+    assert triton_fake.samples("moepipe_generated_tokens_total") == {key: 5}
+    assert triton_fake.samples("moepipe_prompt_tokens_total") == {key: 3}
+
+
+def test_expert_statistics_are_exported_once_tensorrt_llm_writes_them(monkeypatch, tmp_path):
+    """deploy.trtllm.expert_statistic: model.py gives TensorRT-LLM the window and folder where
+    the server's environment lacks them, waits for this run's dump (upstream's format, as
+    tests/unit/trtllm_dump.py writes it), combines the ranks (attention DP here) and exports
+    moepipe_expert_tokens_total from the request loop's thread."""
+    import os
+
+    from trtllm_dump import simulate
+
+    for key in ("EXPERT_STATISTIC_ITER_RANGE", "EXPERT_STATISTIC_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    folder = tmp_path / "stats"
+    model = _load(monkeypatch, tmp_path, True,
+                  "tensor_parallel_size: 2\npipeline_parallel_size: 1\n"
+                  "enable_attention_dp: true\nmoe_config: {load_balancer: null}\n",
+                  expert_statistic_iters="2-5", expert_statistic_path=str(folder))
+    try:
+        assert os.environ["EXPERT_STATISTIC_ITER_RANGE"] == "2-5"
+        assert os.environ["EXPERT_STATISTIC_PATH"] == str(folder)
+        time.sleep(0.2)
+        assert not triton_fake.samples("moepipe_expert_tokens_total")  # nothing written yet
+        truth = simulate(folder, tp=2, pp=1, attention_dp=True, layers=[1, 2], experts=4,
+                         top_k=2, span="2-5")
+        for _ in range(200):
+            if triton_fake.samples("moepipe_expert_tokens_total"):
+                break
+            time.sleep(0.02)
+        got = triton_fake.samples("moepipe_expert_tokens_total")
+        assert got == {(("expert", str(e)), ("layer", str(layer)), ("model", "tensorrt_llm"),
+                        ("window", "2-5")): int(truth[layer][e])
+                       for layer in (1, 2) for e in range(4)}
+        threads = {m.thread for f in triton_fake.families() for m in f.metrics
+                   if f.name == "moepipe_expert_tokens_total"}
+        assert threads == {"moepipe-trtllm-requests"}
+    finally:
+        model.finalize()

@@ -7,8 +7,8 @@ fillTritonResponse)."""
 import numpy as np
 import pytest
 
-from moepipe.serving import contract
-from moepipe.serving.request import RequestError
+from moepipe.serving.core import contract
+from moepipe.serving.core.errors import RequestError
 
 
 def _inputs(rows, n=4, **extra):

@@ -17,7 +17,6 @@ HOST="${host}"
 HTTP_PORT=${http_port}
 GRPC_PORT=${grpc_port}
 METRICS_PORT=${metrics_port}
-EXIT_TIMEOUT_SECS=${exit_timeout_secs}
 TRITONSERVER="${tritonserver}"
 CONTAINER="${trtllm_container}"
 
@@ -91,28 +90,16 @@ command -v "$TRITONSERVER" >/dev/null 2>&1 || die "tritonserver not found: $TRIT
 [ -d "$MODEL_REPO" ] || die "no model repository at $MODEL_REPO (hint: run \`moepipe deploy\` again)"
 
 # --- one rank per GPU, ranks joined by ':' ------------------------------------------------
-# Every rank gets the same address and ports, as TensorRT-LLM's launch_triton_server.py does:
-# worker ranks never open them (they stay inside the tensorrt_llm model's initialisation until
-# rank 0 shuts down). Each rank needs its own Python-backend shared-memory prefix.
-set --
-rank=0
-while [ "$rank" -lt "$WORLD_SIZE" ]; do
-    [ "$rank" -eq 0 ] || set -- "$@" :
-    set -- "$@" -n 1 "$TRITONSERVER" --model-repository="$MODEL_REPO" \
-        --disable-auto-complete-config \
-        --backend-config=python,shm-region-prefix-name=prefix"$rank"_ \
-        --http-address="$HOST" --http-port="$HTTP_PORT" \
-        --grpc-address="$HOST" --grpc-port="$GRPC_PORT" \
-        --metrics-address="$HOST" --metrics-port="$METRICS_PORT" \
-        --exit-timeout-secs="$EXIT_TIMEOUT_SECS"
-    [ "$rank" -eq 0 ] || set -- "$@" --model-control-mode=explicit --load-model=tensorrt_llm
-    rank=$((rank + 1))
-done
+# Every rank gets the deployment's flags (moepipe.deploy.tritonserver.ServerCommand), as
+# TensorRT-LLM's launch_triton_server.py does: worker ranks never open their endpoints (they
+# stay inside the tensorrt_llm model's initialisation until rank 0 shuts down). Each rank needs
+# its own Python-backend shared-memory prefix.
+${mpi_ranks}
 
 # Triton's HTTP frontend (libevhtp, 2.51 measured) parses a form-encoded body into stack arrays
 # of its size: 1 GiB thread stacks (address space, not memory) take bodies to ~400 MB instead of
 # dying at ~4 MB with the usual 8 MiB. Best effort: a lower hard limit is kept.
-ulimit -S -s 1048576 2>/dev/null || true
+${raise_stack}
 
 echo "launch: $WORLD_SIZE rank(s) of $TRITONSERVER, serving http://$HOST:$HTTP_PORT, grpc $HOST:$GRPC_PORT, metrics http://$HOST:$METRICS_PORT/metrics" >&2
 exec mpirun --allow-run-as-root "$@"

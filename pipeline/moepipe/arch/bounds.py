@@ -2,7 +2,7 @@
 ``convert`` and ``plan`` share.
 
 :func:`moepipe.arch.spec.normalize` (every stage) and the planner's readers
-(:mod:`moepipe.planner.shapes`) both pass the numbers they read through :func:`check_shape`
+(:mod:`moepipe.sizing.shapes`) both pass the numbers they read through :func:`check_shape`
 before anything divides by them or loops over them: a zero would divide by zero, a string or
 a fraction would fail deep inside a stage, a negative count would be planned as if it made
 sense, and ``num_hidden_layers: 1000000000`` would keep the planner and the converter busy for

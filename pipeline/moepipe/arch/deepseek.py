@@ -315,7 +315,8 @@ DEEPSEEK_V3 = replace(
                 "sigmoid noaux_tc routing with e_score_correction_bias (no TensorRT-LLM 1.2 "
                 "engine: cpu and trtllm-pytorch targets)",
     layer_rules={**MOE_RULES, **CORRECTION_BIAS},
-    no_engine="TensorRT-LLM 1.2 has no DeepSeek-V3 engine model (only its preview `deepseek` "
-              "branch) and its engine MoE cannot route noaux_tc (sigmoid scores, "
-              "e_score_correction_bias) without a router plugin",
+    no_engine="TensorRT-LLM 1.2 has no DeepSeek-V3 engine model: trtllm-build makes no "
+              "DeepSeek-V3 engines (only its preview `deepseek` branch does), and its engine MoE "
+              "cannot route noaux_tc (sigmoid scores, e_score_correction_bias) without a router "
+              "plugin",
 )

@@ -12,6 +12,7 @@ from typing import Any
 from moepipe.arch.routing import NormalizationMode
 from moepipe.arch.rules import Rule
 from moepipe.arch.spec import DEFAULT_CONFIG_KEYS, ModelSpec, normalize
+from moepipe.errors import UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -99,3 +100,11 @@ class Family:
         # sum), so its engines disagree with Hugging Face. softmax->topk->renormalise is exactly
         # RENORMALIZE (topk on logits, then softmax over the k), so moepipe writes 1 there.
         return NormalizationMode.RENORMALIZE if spec.norm_topk_prob else NormalizationMode.NONE
+
+
+def check_quantizable(family: Family, fmt: str) -> None:
+    """Raise a one-line UnsupportedError when moepipe's quantize stage cannot take ``family``
+    (``Family.quantizable``); called by the quantize pre-flight (every target) and convert's."""
+    if fmt != "none" and not family.quantizable:
+        raise UnsupportedError(f"quantize.format {fmt}: moepipe does not quantize "
+                               f"{family.hf_architecture} yet", "use quantize.format: none")

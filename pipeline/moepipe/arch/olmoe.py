@@ -4,7 +4,7 @@ TensorRT-LLM 1.2 has no OLMoE model: ``tensorrt_llm/models/__init__.py`` ``MODEL
 entry for it (no engine path) and the PyTorch backend's support matrix
 (``docs/source/models/supported-models.md``) does not list it. moepipe converts it for its own
 reference runtime (the ``cpu`` target); the GPU targets refuse it (``no_engine``,
-``no_pytorch``, checked by ``arch.targets``).
+``no_pytorch``, checked by ``moepipe.targets``).
 
 What differs from Qwen3-MoE (transformers ``models/olmoe/modeling_olmoe.py``):
 

@@ -37,3 +37,8 @@ DTYPES: dict[str, DType] = {d.name: d for d in (
     DType("F8_E5M2", 1, "float8_e5m2"))}
 F32, F16, BF16 = DTYPES["F32"], DTYPES["F16"], DTYPES["BF16"]
 BY_TORCH_NAME: dict[str, DType] = {d.torch_name: d for d in DTYPES.values()}
+
+
+def itemsize(torch_name: str) -> int:
+    """Bytes of one element of the dtype torch calls ``torch_name`` (``"bfloat16"``: 2)."""
+    return BY_TORCH_NAME[torch_name].itemsize

@@ -11,6 +11,7 @@ import os
 import queue
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +97,9 @@ class SafetensorsWriter:
     """
 
     def __init__(self, path: Path, entries: list[tuple[str, DType, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None,
+                 on_data: Callable[[int], None] | None = None):
+        """``on_data(n)``: told of every block of tensor data as it is written (progress)."""
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         self._sizes = []
@@ -127,7 +130,9 @@ class SafetensorsWriter:
         self._hasher = threading.Thread(target=self._hash_loop, daemon=True)
         self._hasher.start()
         self._copy_ok = True  # copy_file_range works between these files (until it fails once)
+        self._on_data: Callable[[int], None] | None = None
         self._emit(struct.pack("<Q", len(blob)) + blob)
+        self._on_data = on_data  # after the header: it counts tensor bytes only
         self._entry = 0
         self._left = self._sizes[0][2] if self._sizes else 0
 
@@ -145,6 +150,8 @@ class SafetensorsWriter:
                 self._progress.wait()
         if self._failure is not None:
             raise self._failure
+        if self._on_data is not None:
+            self._on_data(nbytes)
 
     def _hash_loop(self) -> None:
         from moepipe.checkpoints.digest import BLOCK, update_from_fd

@@ -22,7 +22,6 @@ import logging
 import os
 import shlex
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,21 +46,10 @@ from moepipe.stages.registry import STAGES
 from moepipe.utils.fs import atomic_dir, write_text_atomic
 from moepipe.utils.memory import available_memory
 from moepipe.utils.oserrors import check_workdir, describe_os_error
+from moepipe.utils.progress import task
 
 MANIFEST = "build-manifest.json"
 log = logging.getLogger("moepipe")
-
-
-@contextlib.contextmanager
-def live_status(enabled: bool, first: str) -> Iterator[Echo]:
-    """A rich spinner line on a terminal (``update(text)`` changes it); nothing otherwise."""
-    if not enabled:
-        yield lambda text: None
-        return
-    from rich.console import Console
-
-    with Console(stderr=True).status(first) as status:
-        yield lambda text: status.update(f"{first}: {text}")
 
 
 def check_host_memory(ctx: BuildContext, stage: Stage) -> None:
@@ -70,9 +58,11 @@ def check_host_memory(ctx: BuildContext, stage: Stage) -> None:
         return
     need, have = stage.memory(ctx), available_memory()
     if need > have:
+        hint = stage.memory_hint if isinstance(stage.memory_hint, str) else \
+            stage.memory_hint(ctx)
         raise MoepipeError(
             f"{stage.name} needs about {need / 2**30:.1f} GiB of host memory; only "
-            f"{have / 2**30:.1f} GiB is available", stage.memory_hint)
+            f"{have / 2**30:.1f} GiB is available", hint)
 
 
 def _tool_versions(names: tuple[str, ...]) -> dict[str, str]:
@@ -140,7 +130,7 @@ def plan(cfg: MoepipeConfig, force: tuple[str, ...] = (),
     fps: dict[str, str] = {}
     entries = []
     for stage in STAGES:
-        if not stage.applies(cfg):
+        if not stage.needed(cfg):
             continue
         extra = stage.external(cfg) if stage.external is not None else None
         fp = fingerprint(stage, cfg, fps, extra)
@@ -179,6 +169,16 @@ def _clean_partials(cfg: MoepipeConfig) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def _scratch(entry: PlanEntry) -> Path:
+    """The resumable stage's scratch folder for this fingerprint; those of its other
+    fingerprints (a config changed since a build was killed) are removed."""
+    folder = entry.output.with_name(f".{entry.output.name}.resume")
+    for old in entry.output.parent.glob(f".{entry.stage.name}-*.resume"):
+        if old != folder:
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
 def _link(cfg: MoepipeConfig, stage: Stage, target: Path) -> None:
     """Point ``<workdir>/<stage.link>`` at the stage's current output (atomically)."""
     if stage.link is None:
@@ -196,19 +196,15 @@ def _link(cfg: MoepipeConfig, stage: Stage, target: Path) -> None:
 
 
 def run_build(config: Path | None, echo: Echo = print, force: tuple[str, ...] = (),
-              dry_run: bool = False, until: str | None = None,
-              progress: bool | None = None) -> dict:
-    """Build what ``config`` needs. ``progress``: live progress lines (default: when stderr
-    is a terminal)."""
+              dry_run: bool = False, until: str | None = None) -> dict:
+    """Build what ``config`` needs (each stage a progress task: :mod:`moepipe.utils.progress`)."""
     cfg = load_config(config)
     check_workdir(cfg.workdir)
     if dry_run:
         return print_plan(cfg, force, echo, until)
-    if progress is None:
-        progress = sys.stderr.isatty()
     with _lock(cfg.workdir):
         _clean_partials(cfg)
-        return _build(cfg, echo, force, until, progress)
+        return _build(cfg, echo, force, until)
 
 
 def _stage_details(entry: PlanEntry) -> dict[str, Any]:
@@ -219,7 +215,7 @@ def _stage_details(entry: PlanEntry) -> dict[str, Any]:
 
 
 def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
-           until: str | None, progress: bool = False) -> dict:
+           until: str | None) -> dict:
     ctx = BuildContext(cfg, echo)
     entries = plan(cfg, force, until)
     for entry in entries:  # where it will fail, fail before hours of work
@@ -243,14 +239,18 @@ def _build(cfg: MoepipeConfig, echo: Echo, force: tuple[str, ...],
             check_host_memory(ctx, entry.stage)
             needed = check_stage_disk(ctx, entry.stage, entry.output)
             entry.output.parent.mkdir(parents=True, exist_ok=True)
+            ctx.scratch = _scratch(entry) if entry.stage.resumable else None
             try:
                 with atomic_dir(entry.output, overwrite=True) as tmp, \
-                        live_status(progress, name) as ctx.status:
+                        task(name) as running:
+                    ctx.status = running.say
                     details = entry.stage.run(ctx, tmp) or {}
                     fault_point(name)
                     write_stage_record(tmp, name, entry.fingerprint, details)
             except OSError as e:  # a disk that filled up (or went read-only) mid-stage
                 raise describe_os_error(e, needed) from None
+            if ctx.scratch is not None:
+                shutil.rmtree(ctx.scratch, ignore_errors=True)
             ctx.details[name] = details
             status = "built"
         ctx.add(entry.stage, entry.output)

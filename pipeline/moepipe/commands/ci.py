@@ -32,6 +32,7 @@ from pathlib import Path
 
 from moepipe.config import MoepipeConfig, load_config
 from moepipe.errors import MoepipeError
+from moepipe.targets import get_target, targets_where
 
 STEPS = ("build", "deploy-validate", "gpu-validate")
 Echo = Callable[[str], None]
@@ -61,8 +62,9 @@ def _deploy_validate(cfg: MoepipeConfig, echo: Echo) -> bool:
     from moepipe.commands.validate import run_validate
     from moepipe.deploy.local import lifecycle
 
-    if cfg.target != "cpu":
-        raise MoepipeError(f"deploy-validate starts the cpu target's server, not "
+    if get_target(cfg.target).gpu:  # only a CPU target's server starts on this runner
+        local = " or ".join(targets_where(lambda t: not t.gpu))
+        raise MoepipeError(f"deploy-validate starts the {local} target's server, not "
                            f"{cfg.target}'s", "use `moepipe ci gpu-validate` on a GPU runner")
     run_deploy(cfg, echo=echo)
     try:

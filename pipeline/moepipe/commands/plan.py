@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moepipe.errors import ConfigError
-from moepipe.planner.balance import Placement
+from moepipe.planner.balance import DumpMapping, Placement
 from moepipe.planner.estimate import Workload
 from moepipe.planner.hardware import parse_cluster
 from moepipe.planner.plan import HF_IDS, PUBLISHED, Plan, load_model, make_plan
+
+if TYPE_CHECKING:
+    from moepipe.config import MoepipeConfig
 
 KV_CACHE = ("none", "fp8", "int8")
 # A metrics page is read whole within this (a Triton server answers in milliseconds).
@@ -33,6 +36,7 @@ class PlanRequest:
     max_num_tokens: int = 8192
     nvlink_gbps: float | None = None
     internode_gbps: float | None = None
+    usd_per_gpu_hour: float | None = None
 
 
 def run_plan(req: PlanRequest) -> Plan:
@@ -46,7 +50,7 @@ def run_plan(req: PlanRequest) -> Plan:
     kv_bytes = 1 if req.kv_cache != "none" else {"float32": 4}.get(model.dtype, 2)
     workload = Workload(req.isl, req.osl, req.goal, fmt, kv_bytes, req.kv_fraction,
                         req.max_num_tokens, kv_format=req.kv_cache)
-    return make_plan(model, cluster, workload, req.target)
+    return make_plan(model, cluster, workload, req.target, req.usd_per_gpu_hour)
 
 
 def model_id(source: str) -> str:
@@ -101,10 +105,13 @@ def fetch_metrics(url: str, timeout_s: float | None = None) -> str:
 
 
 def run_balance(metrics: str | None, counts_file: Path | None, moe_ep: int,
-                num_slots: int | None, out: Path) -> Placement:
-    """Read counts, place, write ``out``; returns the placement."""
+                num_slots: int | None, out: Path, dump: DumpMapping | None = None
+                ) -> Placement:
+    """Read counts, place, write ``out``; returns the placement. A ``counts_file`` that is a
+    folder is TensorRT-LLM's expert-statistic dump, read with ``dump``'s mapping."""
     from moepipe.planner.balance import (
         balance,
+        counts_from_dump,
         counts_from_file,
         counts_from_metrics,
         write_placement,
@@ -112,6 +119,11 @@ def run_balance(metrics: str | None, counts_file: Path | None, moe_ep: int,
 
     if metrics is not None and counts_file is None:
         counts = counts_from_metrics(fetch_metrics(metrics), metrics)
+    elif counts_file is not None and counts_file.is_dir() and metrics is None:
+        if dump is None:
+            raise ConfigError(f"{counts_file}: reading a TensorRT-LLM expert-statistic folder "
+                              "needs the deployment's mapping", "pass -c moepipe.yaml")
+        counts = counts_from_dump(counts_file, dump)
     elif counts_file is not None and metrics is None:
         counts = counts_from_file(counts_file)
     else:
@@ -120,6 +132,18 @@ def run_balance(metrics: str | None, counts_file: Path | None, moe_ep: int,
     placement = balance(counts, moe_ep, num_slots)
     write_placement(placement, out)
     return placement
+
+
+def dump_mapping(cfg: MoepipeConfig) -> DumpMapping:
+    """The mapping a deployment of ``cfg`` ran with, to read its expert-statistic dump: tp,
+    pp, attention DP, and the slots of ``deploy.trtllm.expert_placement`` (counts are per
+    slot while TensorRT-LLM's load balancer runs)."""
+    from moepipe.trtllm.load_balancer import read_placement
+
+    m, placement = cfg.parallel.to_mapping(), cfg.deploy.trtllm.expert_placement
+    slots = None if placement is None else \
+        read_placement(placement, m.moe_ep)["initial_global_assignments"]
+    return DumpMapping(m.tp, m.pp, cfg.parallel.attention_dp, slots)
 
 
 def format_balance(placement: Placement, out: Path) -> str:

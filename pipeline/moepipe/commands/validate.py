@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moepipe.config import MoepipeConfig
+from moepipe.utils.progress import task
 from moepipe.validate.base import Endpoint, JobContext
+from moepipe.validate.preflight import down, preflight
 from moepipe.validate.registry import JOBS
 from moepipe.validate.report import Report
 
@@ -46,14 +48,23 @@ def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | Non
         checkpoint = None
     ctx = JobContext(ep, cfg, source, checkpoint, state_dir(cfg))
     report = Report(target=cfg.target, endpoint={"http": ep.http, "grpc": ep.grpc})
-    for name in jobs or cfg.validation.jobs:
-        job = JOBS[name](ctx)
+    reachable = preflight(ep, cfg.validation.prompts[0])
+    if not reachable.passed:  # fail fast: every job would wait its own timeouts
+        report.jobs.append(reachable)
+        paths = report.write(cfg.workdir / "reports")
+        raise down(reachable, ep, str(paths[1]))
+    names = jobs or cfg.validation.jobs
+    for i, name in enumerate(names, 1):
+        # the load jobs plan and count their requests in it (moepipe.validate.load)
+        with task(f"validate {name} (job {i} of {len(names)})", unit="requests"):
+            job = JOBS[name](ctx)
         report.jobs.append(job)
         for case in job.cases:
             mark = {"passed": "ok  ", "skipped": "skip", "failed": "FAIL", "error": "ERR "}
             echo(f"  {mark[case.status]} {name}.{case.name} ({case.seconds:.2f}s)"
                  + (f": {case.message}" if case.message else ""))
     paths = report.write(cfg.workdir / "reports")
-    echo(f"validate {'PASSED' if report.passed else 'FAILED'} against http {ep.http}, grpc "
-         f"{ep.grpc}; reports: {', '.join(str(p) for p in paths)}")
+    why = "" if report.checked else " (no check ran: every one was skipped)"
+    echo(f"validate {'PASSED' if report.passed else 'FAILED'}{why} against http {ep.http}, "
+         f"grpc {ep.grpc}; reports: {', '.join(str(p) for p in paths)}")
     return report, paths

@@ -6,6 +6,7 @@ source and output digests.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -40,6 +41,7 @@ from moepipe.errors import CheckpointError, ConfigError
 from moepipe.mapping import Mapping
 from moepipe.trtllm.versions import TRTLLM_ENGINE_VERSION
 from moepipe.utils.fs import STAGE_FILE, atomic_dir
+from moepipe.utils.progress import Task, task
 
 log = logging.getLogger("moepipe")
 
@@ -103,9 +105,19 @@ def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: s
         files: dict[str, str] = {}
         (folder / "config.json").write_text(json.dumps(plan.config(), indent=4) + "\n")
         alias = AliasReader(reader, source_aliases(ckpt.family, ckpt.spec))
-        with ThreadPoolExecutor(max_workers=min(workers, mapping.world_size)) as pool:
-            written = list(pool.map(lambda r: _write_rank(plan, r, alias, folder, progress),
-                                    range(mapping.world_size)))
+        world = mapping.world_size
+        finished = itertools.count(1)  # next() is atomic: the rank threads share it
+
+        def write(rank: int) -> tuple[str, dict[str, str]]:
+            written = _write_rank(plan, rank, alias, folder, meter, progress)
+            meter.say(f"{next(finished)} of {world} rank files written")
+            return written
+
+        # the bytes of every rank file, counted block by block as they are written
+        with task("convert", sum(plan.rank_bytes(r) for r in range(world)), "bytes",
+                  f"0 of {world} rank files written") as meter, \
+                ThreadPoolExecutor(max_workers=min(workers, world)) as pool:
+            written = list(pool.map(write, range(world)))
         files["config.json"] = file_digest(folder / "config.json")
         tensors: dict[str, dict[str, str]] = {}
         for rank, (digest, per_tensor) in enumerate(written):
@@ -142,12 +154,13 @@ def _hash_sources(folder: Path, out: dict[str, str]) -> None:
             out[path.name] = cached_digest(path)
 
 
-def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path,
+def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path, meter: Task,
                 progress: Callable[[str], None] | None = None) -> tuple[str, dict[str, str]]:
     """Write one rank file; returns its digest and its tensors' digests."""
     tensors = plan.ranks[rank]
     writer = SafetensorsWriter(folder / rank_file(rank),
-                               [(t.name, t.dtype, t.shape) for t in tensors])
+                               [(t.name, t.dtype, t.shape) for t in tensors],
+                               on_data=meter.advance)
     pool, scratch = BufferPool(16, BLOCK_BYTES), Scratch()
     try:
         for t in tensors:

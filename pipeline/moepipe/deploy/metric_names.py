@@ -18,6 +18,7 @@ import re
 
 from moepipe.arch.bounds import MAX_EXPERTS, MAX_LAYERS
 from moepipe.errors import ConfigError
+from moepipe.targets import TARGETS, get_target
 
 
 def _summary(name: str) -> set[str]:
@@ -28,22 +29,30 @@ def _histogram(name: str) -> set[str]:
     return {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
 
 
+# Triton core (src/metrics.cc names, src/metric_model_reporter.cc: which a model reports):
+# counters and the pending-request gauge always, the latency counters unless
+# counter_latencies=false, CPU metrics unless --allow-cpu-metrics=false.
 TRITON_CORE = {
     "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
     "nv_inference_exec_count", "nv_inference_pending_request_count",
     "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
     "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
     "nv_inference_compute_output_duration_us",
+    "nv_cpu_utilization", "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes",
+    "up",  # Prometheus' own, per scrape target
+}
+# --metrics-config summary_latencies=true (InitializeSummaries)
+TRITON_SUMMARIES = {
     *_summary("nv_inference_request_summary_us"), *_summary("nv_inference_queue_summary_us"),
     *_summary("nv_inference_compute_input_summary_us"),
     *_summary("nv_inference_compute_infer_summary_us"),
     *_summary("nv_inference_compute_output_summary_us"),
-    "nv_cpu_utilization", "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes",
-    "up",  # Prometheus' own, per scrape target
 }
+# --metrics-config histogram_latencies=true, decoupled models only (InitializeHistograms)
+TRITON_FIRST_RESPONSE = _histogram("nv_inference_first_response_histogram_ms")
+# DCGM, on a GPU machine unless --allow-gpu-metrics=false (TRITON_ENABLE_METRICS_GPU)
 TRITON_GPU = {"nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes",
-              "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption",
-              *_histogram("nv_inference_first_response_histogram_ms")}
+              "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption"}
 # TensorRT-LLM's C++ backend: family -> (category label, its values), from
 # custom_metrics_reporter.cc (InitializeReporter; *_labels_ vectors).
 TRTLLM_FAMILIES = {
@@ -65,6 +74,7 @@ TRTLLM_BACKEND = {*TRTLLM_FAMILIES, *_histogram("nv_llm_input_token_len"),
 # The cpu target's own (model_repo/targets/cpu/.../tensorrt_llm/1/model.py) and the
 # TensorRT-LLM families it also exports, with the same labels (moepipe.serving.trtllm_metrics).
 MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
+               "moepipe_prompt_tokens_total",
                "moepipe_running_requests",
                # moepipe.serving.metrics (HISTOGRAMS, GAUGES)
                *_histogram("moepipe_request_latency_seconds"),
@@ -73,15 +83,41 @@ MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
                "moepipe_queued_requests", "moepipe_kv_slots_used", "moepipe_kv_slots_total",
                "moepipe_kv_tokens_used",
                # the BLS model with deploy.fallback (tensorrt_llm_bls/1/overload.py)
-               "moepipe_fallback_requests_total", "moepipe_circuit_state"}
+               "moepipe_fallback_requests_total", "moepipe_circuit_state",
+               # a rank group (world size > 1; moepipe.serving.rank_metrics)
+               *_histogram("moepipe_rank_step_seconds"), *_histogram("moepipe_rank_wait_seconds"),
+               "moepipe_rank_group_up", "moepipe_rank_group_losses_total"}
 CPU_TRTLLM_FAMILIES = ("nv_trt_llm_request_metrics", "nv_trt_llm_kv_cache_block_metrics")
 
-EXPORTED = {
-    "cpu": TRITON_CORE | MOEPIPE_CPU | set(CPU_TRTLLM_FAMILIES),
-    "trtllm-engine": TRITON_CORE | TRITON_GPU | TRTLLM_BACKEND,
-    # TensorRT-LLM's LLM-API Python model registers no nv_trt_llm_* metrics.
-    "trtllm-pytorch": TRITON_CORE | TRITON_GPU,
+# The groups a target declares it exports (moepipe.targets: Target.metrics).
+GROUPS: dict[str, set[str]] = {
+    "triton": TRITON_CORE,
+    "triton-summaries": TRITON_SUMMARIES,
+    "triton-first-response": TRITON_FIRST_RESPONSE,
+    "triton-gpu": TRITON_GPU,
+    "trtllm-backend": TRTLLM_BACKEND,
+    "moepipe-cpu": MOEPIPE_CPU | set(CPU_TRTLLM_FAMILIES),
+    # moepipe's trtllm-pytorch model (targets/trtllm-pytorch/.../model.py) counts the tokens of
+    # prompts and generations: TensorRT-LLM's LLM-API Python model registers no nv_trt_llm_*
+    "moepipe-tokens": {"moepipe_generated_tokens_total", "moepipe_prompt_tokens_total"},
 }
+# Groups only decoupled models report (Triton's first-response histogram).
+DECOUPLED_ONLY = {"triton-first-response"}
+
+
+def exported(target: str, decoupled: bool = True, expert_statistic: bool = False) -> set[str]:
+    """Metric names the deployment of ``target`` exports (``decoupled``: its models' transaction
+    policy, deploy.decoupled; ``expert_statistic``: TensorRT-LLM's expert statistics are
+    collected, on a target whose expert counts are that window: ``Target.expert_counts``)."""
+    t = get_target(target)
+    names = {name for group in t.metrics
+             if decoupled or group not in DECOUPLED_ONLY for name in GROUPS[group]}
+    if expert_statistic and t.expert_counts == "window":
+        names.add("moepipe_expert_tokens_total")
+    return names
+
+
+EXPORTED = {name: exported(name) for name in TARGETS}
 
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
              "or", "unless", "offset", "inf", "nan"}
@@ -142,3 +178,27 @@ def _index(label: str | None, what: str, limit: int, where: str, line: int) -> i
         raise ConfigError(f"{where}:{line}: {what} label {shown} is not an index in "
                           f"0..{limit - 1}", "is this a moepipe deployment's metrics?")
     return int(label)
+
+
+_RANK_SAMPLE = re.compile(r"^(moepipe_rank_(?:step|wait)_seconds_(?:sum|count)|"
+                          r"moepipe_rank_group_up)\{([^}]*)\}\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def rank_series(text: str) -> dict[tuple[str, int, str], float]:
+    """A rank group's figures from Prometheus text (``moepipe.serving.rank_metrics``):
+    (series, rank, op) -> value, series being ``step_sum``, ``step_count``, ``wait_sum``,
+    ``wait_count`` (op ``""``) or ``up`` (rank -1, op ``""``); summed over models. Empty for a
+    deployment without a rank group."""
+    out: dict[tuple[str, int, str], float] = {}
+    for name, labels, value in _RANK_SAMPLE.findall(text):
+        kv = dict(_LABEL.findall(labels))
+        if name == "moepipe_rank_group_up":
+            key = ("up", -1, "")
+        else:
+            kind = name.removeprefix("moepipe_rank_").replace("_seconds", "")
+            try:
+                key = (kind, int(kv["rank"]), kv.get("op", ""))
+            except (KeyError, ValueError):
+                continue
+        out[key] = out.get(key, 0.0) + float(value)
+    return out

@@ -23,6 +23,7 @@ from typing import Any
 
 from moepipe.errors import MoepipeError
 from moepipe.examples.routing import RouterTap
+from moepipe.utils.progress import task
 
 
 @dataclass(frozen=True)
@@ -120,10 +121,12 @@ def train(model, token_ids: list[int], recipe: Recipe, seed: int,
     offsets = torch.arange(recipe.seq_len + 1)
     history = []
     model.train()
-    with RouterTap(model) as tap:
+    with RouterTap(model) as tap, task("train", recipe.steps, "steps") as steps:
         for step in range(recipe.steps):
             history.append(_step(model, opt, tap, ids[next(batches) + offsets], recipe, step))
+            steps.advance()
             if step % 10 == 0 or step == recipe.steps - 1:
+                steps.say(f"loss {history[-1][0]:.3f}")
                 progress(f"step {step + 1}/{recipe.steps}: loss {history[-1][0]:.3f}, "
                          f"balance loss {history[-1][1]:.3f}")
     model.eval()

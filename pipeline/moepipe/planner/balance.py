@@ -177,6 +177,42 @@ def _dense(row: dict[int, float], where: str) -> list[float]:
     return [row[e] for e in range(n)]
 
 
+@dataclass(frozen=True)
+class DumpMapping:
+    """How the deployment that wrote a TensorRT-LLM expert-statistic folder ran: its ranks
+    and, when its MoE load balancer was on, the slot -> expert lists of its placement."""
+
+    tp: int
+    pp: int
+    attention_dp: bool
+    assignments: dict[int, list[int]] | None = None
+
+
+def counts_from_dump(folder: Path, mapping: DumpMapping) -> dict[int, list[float]]:
+    """Counts from the folder TensorRT-LLM's expert statistics wrote
+    (:mod:`moepipe.trtllm.expert_statistic`: ranks combined as the mapping requires, layer
+    keys as TensorRT-LLM numbers them)."""
+    from moepipe.trtllm.expert_statistic import StatisticError, combine, read_dump
+
+    def bounded(path: Path, limit: int) -> bytes:  # moepipe's one reader of user-named files
+        return read_file(path, limit, "expert-statistic file")
+
+    try:
+        counts = combine(read_dump(folder, mapping.tp * mapping.pp, read=bounded),
+                         tp=mapping.tp, pp=mapping.pp, attention_dp=mapping.attention_dp,
+                         assignments=mapping.assignments)
+    except StatisticError as e:
+        raise ConfigError(e.message, e.hint or None) from None
+    if len(counts.layers) > MAX_LAYERS or any(len(r) > MAX_EXPERTS
+                                              for r in counts.layers.values()):
+        raise ConfigError(f"{folder}: more than {MAX_LAYERS} layers or {MAX_EXPERTS} experts")
+    rows = {layer: [float(c) for c in row] for layer, row in counts.layers.items() if sum(row)}
+    if not rows:
+        raise ConfigError(f"{folder}: the window counted no routed tokens",
+                          "serve traffic during the iteration window")
+    return rows
+
+
 _COUNTS_HINT = ('expected {"layers": {"0": [tokens per expert, ...], ...}}, a validate.json '
                 "with a balance job, or saved metrics text")
 

@@ -1,15 +1,10 @@
 """Per-mapping estimates: memory per GPU, KV-cache capacity, traffic per token, a roofline time.
 
-Memory (one GPU of the busiest pipeline stage) = weights (exact, :mod:`planner.weights`) +
-activations + MoE workspace + runtime (NCCL buffers, CUDA context), the last three with the
-engine pre-flight's formulas (aiconfigurator's TensorRT-LLM fit). The KV cache gets
+Memory (one GPU of the busiest pipeline stage) = weights (exact, :mod:`moepipe.sizing.weights`)
++ activations + MoE workspace + runtime (:func:`moepipe.sizing.gpu.step_reserve`, the engine
+pre-flight's formulas). The KV cache (:func:`moepipe.sizing.gpu.kv_bytes_per_token`) gets
 ``kv_fraction`` of what is left, as TensorRT-LLM's ``free_gpu_memory_fraction`` does, and every
 rank gets the smallest stage's block count (TensorRT-LLM min-reduces it over ranks).
-
-KV bytes per token on one GPU (TensorRT-LLM ``KVCacheManager``): GQA ``2 x layers x
-ceil(kv_heads / tp) x head_dim x bytes`` (heads duplicated when fewer than tp); MLA ``layers x
-(kv_lora_rank + qk_rope_head_dim) x bytes`` (one latent, K only, not split by tp). With
-attention data parallelism each rank keeps whole heads for its own requests.
 
 Traffic per generated token, per GPU, at uniform routing (NCCL ring factors,
 nccl-tests ``doc/PERFORMANCE.md``): TP all-reduce ``2 x layers x H x b x 2(tp-1)/tp`` (after
@@ -33,14 +28,9 @@ from dataclasses import dataclass, field
 
 from moepipe.mapping import stage_layers
 from moepipe.planner.hardware import Cluster
-from moepipe.planner.shapes import ModelShape
-from moepipe.planner.weights import Sharding, stage_weight_bytes
-from moepipe.trtllm.engine import (
-    ACTIVATION_COEFF,
-    ACTIVATION_MIN,
-    NCCL_BYTES,
-    OTHER_BYTES,
-)
+from moepipe.sizing.gpu import kv_bytes_per_token, step_reserve
+from moepipe.sizing.shapes import ModelShape
+from moepipe.sizing.weights import Sharding, rank_shape, stage_weight_bytes, tensor_bytes
 
 TOKENS_PER_BLOCK = 32  # LLM-API KvCacheConfig.tokens_per_block (tensorrt_llm/llmapi/llm_args.py)
 HBM_EFFICIENCY = 0.8
@@ -88,17 +78,6 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return not self.problems
-
-
-def _by_tp(table: dict[int, int], tp: int) -> int:
-    return table[max(k for k in table if k <= tp)]
-
-
-def kv_bytes_per_token(model: ModelShape, s: Sharding, layers: int, kv_bytes: int) -> int:
-    """KV-cache bytes one GPU keeps per token for ``layers`` layers."""
-    if model.mla:
-        return layers * (model.kv_lora_rank + model.qk_rope_head_dim) * kv_bytes
-    return 2 * layers * math.ceil(model.num_kv_heads / s.attn_tp) * model.head_dim * kv_bytes
 
 
 def _links(cluster: Cluster, s: Sharding) -> tuple[float, float]:
@@ -152,8 +131,6 @@ def _stage_time(model: ModelShape, cluster: Cluster, s: Sharding, stage: int, ba
 
 
 def _expert_bytes(model: ModelShape, s: Sharding, layers: range, w: Workload) -> int:
-    from moepipe.planner.weights import rank_shape, tensor_bytes
-
     moe = sum(model.is_moe_layer(layer) for layer in layers)
     first = next((layer for layer in layers if model.is_moe_layer(layer)), None)
     if first is None:
@@ -168,12 +145,10 @@ def estimate(model: ModelShape, cluster: Cluster, s: Sharding, w: Workload) -> E
     est = Estimate(s, replicas=cluster.gpus // s.world_size)
     gpu = cluster.gpu
     tokens = min(w.max_num_tokens, w.max_batch_size * w.seq_len)
-    est.activations = max(ACT_BYTES * tokens * model.attn_width * _by_tp(ACTIVATION_COEFF,
-                                                                         s.attn_tp),
-                          ACTIVATION_MIN)
-    est.moe_workspace = (tokens * model.attn_width * model.num_experts * model.top_k * 4
-                         // (s.moe_ep * 128))
-    est.runtime = _by_tp(NCCL_BYTES, s.tp) + OTHER_BYTES
+    reserve_of = step_reserve(model, s, tokens, ACT_BYTES)
+    est.activations = reserve_of["activations"]
+    est.moe_workspace = reserve_of["moe_workspace"]
+    est.runtime = reserve_of["runtime"]
     reserve = est.activations + est.moe_workspace + est.runtime
     stage_weights = [stage_weight_bytes(model, s, st, w.fmt, hf_layout=w.hf_layout)
                      for st in range(s.pp)]

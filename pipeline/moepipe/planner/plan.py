@@ -9,6 +9,7 @@ last with the reason.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ from moepipe.errors import ConfigError
 from moepipe.mapping import legal_mappings
 from moepipe.planner.estimate import Estimate, Workload, estimate
 from moepipe.planner.hardware import Cluster
-from moepipe.planner.shapes import ModelShape, model_shape
-from moepipe.planner.weights import FORMATS, Sharding, model_bytes
-from moepipe.utils.fs import read_json
+from moepipe.sizing.shapes import ModelShape, load_shape, model_shape
+from moepipe.sizing.weights import FORMATS, Sharding, model_bytes
+from moepipe.targets import Target, get_target
+from moepipe.utils.cost import usd_per_million
 
 # Published config.json files shipped with moepipe (plan without downloading anything):
 # mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, deepseek-ai/DeepSeek-V3
@@ -35,7 +37,6 @@ HF_IDS = {"Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1", "Qwen3-30B-A3B": "Qwen/
           "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B", "DeepSeek-V3": "deepseek-ai/DeepSeek-V3"}
 GOALS = ("throughput", "latency")
 MAX_NUM_TOKENS = 1 << 24  # tokens per engine step
-TARGETS = ("cpu", "trtllm-engine", "trtllm-pytorch")
 
 
 @dataclass
@@ -47,6 +48,14 @@ class Plan:
     candidates: list[Estimate]
     host_memory: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    usd_per_gpu_hour: float | None = None  # prices the roofline's throughput
+    dense: Plan | None = None  # the dense model of the same parameters, same cluster
+
+    def usd_per_million_output_tokens(self, e: Estimate) -> float | None:
+        """US$ per million output tokens of a mapping at its roofline throughput."""
+        if self.usd_per_gpu_hour is None or not e.fits:
+            return None
+        return usd_per_million(self.usd_per_gpu_hour, e.tokens_per_s_per_gpu)
 
     @property
     def best(self) -> Estimate | None:
@@ -59,53 +68,53 @@ def load_model(source: str | Path) -> ModelShape:
     from moepipe.examples import EXAMPLES
 
     if str(source) in PUBLISHED:
-        cfg = read_json(PUBLISHED[str(source)], "moepipe")
+        cfg = json.loads(PUBLISHED[str(source)].read_text())
         return model_shape(cfg, str(source), str(PUBLISHED[str(source)]))
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.exists():
-        cfg = read_json(path, "a Hugging Face checkpoint folder")
-        return model_shape(cfg, path.parent.name if path.name == "config.json" else path.stem,
-                           str(path))
-    if str(source) in EXAMPLES:
-        ex = EXAMPLES[str(source)]
-        arch = ex.config_class.removesuffix("Config") + "ForCausalLM"
-        return model_shape({"architectures": [arch], "torch_dtype": "float32", **ex.config},
-                           str(source), f"example {source}")
-    raise ConfigError(f"model '{source}' is neither a folder, a config.json, a published model "
-                      "nor an example",
-                      f"published: {', '.join(PUBLISHED)}; examples: {', '.join(EXAMPLES)}")
+    shape = load_shape(source)
+    if shape is None:
+        raise ConfigError(f"model '{source}' is neither a folder, a config.json, a published "
+                          "model nor an example",
+                          f"published: {', '.join(PUBLISHED)}; examples: {', '.join(EXAMPLES)}")
+    return shape
 
 
 def candidates(model: ModelShape, max_world: int, target: str) -> list[Sharding]:
-    """Legal shardings with at most ``max_world`` GPUs (powers of two, as ``inspect``)."""
+    """Legal shardings with at most ``max_world`` GPUs (powers of two, as ``inspect``), each
+    also with attention data parallelism where the target has it."""
+    attention_dp = get_target(target).attention_dp
     out = []
     for m in legal_mappings(model, max_world):
         out.append(Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep))
-        if target == "trtllm-pytorch" and m.tp > 1:
+        if attention_dp and m.tp > 1:
             out.append(Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep, attention_dp=True))
     return out
 
 
 def host_memory(model: ModelShape) -> dict[str, int]:
     """Peak host RAM of the build stages: convert (streams; a column slice reads a whole
-    tensor, cut and cast: three copies of the largest) and quantize (modelopt holds the model in
-    float32: ``moepipe.stages.quantize.quantize_memory``)."""
+    tensor, cut and cast: three copies of the largest) and quantize (one decoder layer at a
+    time in float32 with the default calibration: ``moepipe.quant.memory``)."""
+    from moepipe.config import CalibrationSection
     from moepipe.conversion.write import peak_memory
-    from moepipe.stages.quantize import quantize_memory
+    from moepipe.quant.memory import quantize_memory
 
+    cal = CalibrationSection()
     return {"convert": peak_memory(model.largest_tensor_bytes()),
-            "quantize": quantize_memory(model.parameters())}
+            "quantize": quantize_memory(model.largest_layer_parameters(),
+                                        model.vocab_size * model.hidden_size,
+                                        model.hidden_size, cal.samples * cal.seq_len)}
 
 
 def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
-              target: str = "trtllm-pytorch") -> Plan:
-    """Estimate and rank every legal mapping of ``model`` on ``cluster``."""
+              target: str = "trtllm-pytorch", usd_per_gpu_hour: float | None = None) -> Plan:
+    """Estimate and rank every legal mapping of ``model`` on ``cluster``; with a price, also
+    plan the dense model of the same parameters (:meth:`ModelShape.dense`) to compare."""
+    if usd_per_gpu_hour is not None and not 0 < usd_per_gpu_hour < float("inf"):
+        raise ConfigError(f"--usd-per-gpu-hour {usd_per_gpu_hour:g} is not a price",
+                          "a positive number of US$, e.g. 2.5")
     if workload.goal not in GOALS:
         raise ConfigError(f"goal '{workload.goal}' is unknown", f"choose {' or '.join(GOALS)}")
-    if target not in TARGETS:
-        raise ConfigError(f"target '{target}' is unknown", f"choose one of {', '.join(TARGETS)}")
+    served = get_target(target)  # an unknown target lists the supported ones
     if workload.fmt not in FORMATS:
         raise ConfigError(f"quantization format '{workload.fmt}' is unknown",
                           f"choose one of {', '.join(FORMATS)}")
@@ -121,52 +130,32 @@ def make_plan(model: ModelShape, cluster: Cluster, workload: Workload,
     if not 0 < workload.kv_fraction < 1:
         raise ConfigError(f"the KV-cache memory fraction must be in (0, 1), got "
                           f"{workload.kv_fraction}", "TensorRT-LLM's default is 0.9")
-    # trtllm-pytorch loads the Hugging Face checkpoint; the others TensorRT-LLM's
-    workload = replace(workload, hf_layout=target == "trtllm-pytorch")
+    # the weights as the target's artifact holds them (the HF checkpoint, or TensorRT-LLM's)
+    workload = replace(workload, hf_layout=served.hf_layout)
     ests = [estimate(model, cluster, s, workload)
             for s in candidates(model, cluster.gpus, target)]
     if workload.goal == "latency":
         key = lambda e: (not e.fits, e.tpot_s, -e.max_sequences)  # noqa: E731
     else:
         key = lambda e: (not e.fits, -e.tokens_per_s_per_gpu, e.tpot_s)  # noqa: E731
-    notes = support_notes(model, target)
-    refusal = NO_ENGINE.get(model.architecture) if target == "trtllm-engine" else None
-    refusal = refusal or _not_served(model.architecture, target)
+    refusal = _not_served(model, served)
     if refusal:
         for e in ests:
             e.problems.append(refusal)
     fitting = sorted((e for e in ests if e.fits), key=key)
     others = sorted((e for e in ests if not e.fits), key=lambda e: e.weights)
-    return Plan(model, cluster, workload, target, fitting + others, host_memory(model), notes)
+    plan = Plan(model, cluster, workload, target, fitting + others, host_memory(model),
+                usd_per_gpu_hour=usd_per_gpu_hour)
+    if usd_per_gpu_hour is not None and model.num_experts > 1:
+        plan.dense = make_plan(model.dense(), cluster, workload, target, usd_per_gpu_hour)
+    return plan
 
 
-# Architectures TensorRT-LLM 1.2 has no engine (trtllm-build) path for.
-NO_ENGINE = {
-    "DeepseekV3ForCausalLM": "TensorRT-LLM 1.2 builds no DeepSeek-V3 engines (only its preview "
-                             "`deepseek` branch does); serve it on trtllm-pytorch",
-}
+def _not_served(model: ModelShape, target: Target) -> str | None:
+    """Why ``target`` cannot serve this model (:meth:`Target.family_problem`)."""
+    from moepipe.arch import get_family
 
-
-def _not_served(architecture: str, target: str) -> str | None:
-    """Why ``target`` cannot serve a registered family (``Family.no_engine`` / ``no_pytorch``)."""
-    from moepipe.arch import REGISTRY
-
-    family = REGISTRY.get(architecture)
-    if family is None:
-        return None
-    return {"trtllm-engine": family.no_engine,
-            "trtllm-pytorch": family.no_pytorch}.get(target)
-
-
-def support_notes(model: ModelShape, target: str) -> list[str]:
-    """What the plan cannot promise: moepipe building the model at all."""
-    from moepipe.arch import REGISTRY, supported
-
-    if model.architecture in REGISTRY:
-        return []
-    return [f"moepipe does not build {model.architecture} yet (it builds "
-            f"{', '.join(supported())}); the plan sizes what TensorRT-LLM's own loader would "
-            "need"]
+    return target.family_problem(get_family(model.architecture), model.spec)
 
 
 def model_summary(model: ModelShape, fmt: str) -> dict[str, Any]:

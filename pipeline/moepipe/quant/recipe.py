@@ -171,3 +171,54 @@ def exact_export() -> Iterator[None]:
         yield
     finally:
         ue.sync_moe_gate_up_amax, ue.to_quantized_weight = sync, quantize
+
+
+# Modules that must stay unquantized (routers, shared-expert gate), by name fragment.
+NEVER_QUANTIZED = (".gate.", "block_sparse_moe.gate", "shared_expert_gate", "router")
+
+
+def inspect_quantizers(model: nn.Module) -> tuple[int, list[str]]:
+    """How many modules got an enabled weight quantizer, and which routers did (none!)."""
+    quantized, never = 0, []
+    for name, module in model.named_modules():
+        if _quantized(module):
+            quantized += 1
+            if any(frag in name + "." for frag in NEVER_QUANTIZED) and "experts" not in name:
+                never.append(name)
+    return quantized, never
+
+
+def int8_kv_scales(model: nn.Module) -> dict[str, Any]:
+    """modelopt's unified export takes FP8 KV scales only. For INT8 the scales (amax / 127)
+    are written as ``k_proj.k_scale`` / ``v_proj.v_scale`` like FP8's, and the quantizers are
+    switched off before export."""
+    import torch
+
+    extra = {}
+    for name, module in model.named_modules():
+        for kind in ("k", "v"):
+            quantizer = getattr(module, f"{kind}_bmm_quantizer", None)
+            if quantizer is None or quantizer.amax is None:
+                continue
+            scale = (quantizer.amax.float().max() / 127.0).reshape(())
+            extra[f"{name}.{kind}_proj.{kind}_scale"] = scale.to(torch.float32).cpu()
+            quantizer.reset_amax()  # else the export still finds (and rejects) its amax
+            quantizer.disable()
+    return extra
+
+
+def mark_int8_kv(out: Path) -> None:
+    """Declare the INT8 KV cache in the exported ``hf_quant_config.json`` and ``config.json``
+    (modelopt's export knows FP8 KV caches only)."""
+    import json
+
+    path = out / "hf_quant_config.json"
+    data = json.loads(path.read_text())
+    data["quantization"]["kv_cache_quant_algo"] = "INT8"
+    path.write_text(json.dumps(data, indent=4) + "\n")
+    cfg_path = out / "config.json"
+    config = json.loads(cfg_path.read_text())
+    qc = config.get("quantization_config", {})
+    qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "int"}
+    config["quantization_config"] = qc
+    cfg_path.write_text(json.dumps(config, indent=2) + "\n")

@@ -28,18 +28,26 @@ class UnfusedExperts(nn.ModuleList):
     """Drop-in for a transformers-5 fused experts module: ``forward(hidden, top_k_index,
     top_k_weights)``."""
 
-    def __init__(self, fused: nn.Module, names: tuple[str, str, str]):
+    def __init__(self, fused: nn.Module, names: tuple[str, str, str], copy: bool = True):
         gate_up: torch.Tensor = fused.gate_up_proj  # type: ignore[assignment]
         down: torch.Tensor = fused.down_proj  # type: ignore[assignment]
         num, two_inter, hidden = gate_up.shape
         inter = two_inter // 2
         super().__init__([_Expert(names, hidden, inter, fused.act_fn) for _ in range(num)])
         self.num_experts = num
+        if not copy:
+            return
         with torch.no_grad():  # fused gate_up_proj: gate rows first, then up
             for e, expert in enumerate(list(self.children())):
                 getattr(expert, names[0]).weight.copy_(gate_up[e, :inter])
                 getattr(expert, names[1]).weight.copy_(gate_up[e, inter:])
                 getattr(expert, names[2]).weight.copy_(down[e])
+
+    @classmethod
+    def like(cls, fused: nn.Module, names: tuple[str, str, str]) -> UnfusedExperts:
+        """The same experts with uninitialized weights (on the current default device: the
+        meta device before layer-by-layer quantization loads them)."""
+        return cls(fused, names, copy=False)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)

@@ -2,12 +2,15 @@
 
 * :func:`projection_qk_norm` - OLMoE's q/k RMSNorm over the whole projection (all heads), with
   the heads split over tensor-parallel ranks: each rank's sum of squares is all-reduced, as
-  vLLM's all-gather before the norm does (``vllm/model_executor/models/olmoe.py``);
+  vLLM's all-gather before the norm does (``vllm/model_executor/models/olmoe.py``) - summed in
+  the process that holds every rank, all-reduced among rank processes;
 * :func:`window_mask` - sliding-window attention (GPT-OSS's ``sliding_attention`` layers);
 * :func:`attend` - attention with per-head sink logits (GPT-OSS).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,15 +18,21 @@ import torch.nn.functional as F
 
 def projection_qk_norm(qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                        q_norms: list[torch.Tensor | None], k_norms: list[torch.Tensor | None],
-                       num_heads: int, num_kv_heads: int, head_dim: int,
-                       eps: float) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                       num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                       tp: int | None = None,
+                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """RMSNorm of q over all ``num_heads`` heads and of k over all ``num_kv_heads`` heads,
-    given each rank's (q, k, v) slices ``[T, heads_r * head_dim]`` and its slice of each norm
-    weight. When there are fewer KV heads than ranks, each KV head sits on ``tp / num_kv_heads``
-    ranks: its squares are counted once."""
-    tp = len(qkv)
-    q_sq = torch.stack([q.float().pow(2).sum(-1) for q, _, _ in qkv]).sum(0)[:, None]
-    k_sq = torch.stack([k.float().pow(2).sum(-1) for _, k, _ in qkv]).sum(0)[:, None]
+    given the (q, k, v) slices ``[T, heads_r * head_dim]`` of the ranks held here and their
+    slices of each norm weight; ``reduce`` sums the squares over the ``tp`` ranks of other
+    processes. When there are fewer KV heads than ranks, each KV head sits on
+    ``tp / num_kv_heads`` ranks: its squares are counted once."""
+    tp = tp or len(qkv)
+    sq = torch.stack([torch.stack([q.float().pow(2).sum(-1) for q, _, _ in qkv]).sum(0),
+                      torch.stack([k.float().pow(2).sum(-1) for _, k, _ in qkv]).sum(0)])
+    if reduce is not None:
+        sq = reduce(sq)  # one all-reduce for both
+    q_sq, k_sq = sq[0][:, None], sq[1][:, None]
     dup = tp // num_kv_heads if num_kv_heads < tp else 1
     q_scale = torch.rsqrt(q_sq / (num_heads * head_dim) + eps)
     k_scale = torch.rsqrt(k_sq / (dup * num_kv_heads * head_dim) + eps)

@@ -26,7 +26,7 @@ class TrtllmCheckpoint:
     facts: RuntimeFacts
     mapping: Mapping
     routing: RoutingSpec
-    ranks: list[dict[str, torch.Tensor]]
+    ranks: dict[int, dict[str, torch.Tensor]]  # rank -> its tensors (the ranks loaded)
 
     @property
     def vocab_size(self) -> int:
@@ -41,23 +41,31 @@ _REQUIRED = ("architecture", "dtype", "hidden_size", "num_hidden_layers", "num_a
              "vocab_size", "moe", "mapping")
 
 
-def load_checkpoint(path: str | Path) -> TrtllmCheckpoint:
+def load_checkpoint(path: str | Path, ranks: list[int] | None = None) -> TrtllmCheckpoint:
+    """A checkpoint folder with the tensors of ``ranks`` (default: every rank). A rank
+    process of a multi-process deployment loads only its own ``rank{r}.safetensors``."""
     path = Path(path)
     cfg = read_config(path)
     mapping = Mapping.from_trtllm(cfg["mapping"])
-    ranks = []
-    for rank in range(mapping.world_size):
+    wanted = list(range(mapping.world_size)) if ranks is None else ranks
+    bad = [r for r in wanted if not 0 <= r < mapping.world_size]
+    if bad:
+        raise CheckpointError(f"{path}: no rank {bad[0]} in a checkpoint of world size "
+                              f"{mapping.world_size}",
+                              "the rank must be below tp x pp of the checkpoint's mapping")
+    tensors = {}
+    for rank in wanted:
         file = path / f"rank{rank}.safetensors"
         if not file.is_file():
             raise CheckpointError(f"{path}: rank{rank}.safetensors is missing "
                                   f"(world size {mapping.world_size})",
                                   "the checkpoint is incomplete; convert it again")
-        ranks.append(load_file(file))
-    return with_tensors(path, cfg, ranks)
+        tensors[rank] = load_file(file)
+    return with_tensors(path, cfg, tensors)
 
 
 def with_tensors(path: Path, cfg: dict[str, Any],
-                 ranks: list[dict[str, torch.Tensor]]) -> TrtllmCheckpoint:
+                 ranks: dict[int, dict[str, torch.Tensor]]) -> TrtllmCheckpoint:
     """The checkpoint ``path`` with its config (:func:`read_config`) and these rank tensors."""
     family = get_family_for_trtllm(cfg["architecture"])
     return TrtllmCheckpoint(path=path, config=cfg, family=family,

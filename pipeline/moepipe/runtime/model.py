@@ -6,9 +6,12 @@ the rank's EP group on its slice of the expert FFN, shared expert split over tp,
 ``lm_head`` gathered. Pipeline stages run one after the other. Weights are the checkpoint's own
 (cast to float32 for compute), so parity with Hugging Face proves the converter and the config.
 
-The batch interface is *packed*: tokens of several sequences concatenated, each sequence with its
-cache slot and the number of tokens already cached - ragged prefill and batched decode share one
-``forward``.
+The batch interface is *packed* (:class:`moepipe.runtime.batch.Batch`): ragged prefill and
+batched decode share one ``forward``.
+
+Given :class:`moepipe.runtime.parallel.Collectives`, the model holds one rank only (its own
+tensors, its own layers and KV cache) and the sums over ranks become all-reduces among the rank
+processes: the same code path, so the single-process model stays the numerical reference.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from moepipe.mapping import stage_layers
 from moepipe.runtime import mla
 from moepipe.runtime.activations import expert_activation
 from moepipe.runtime.attention_ext import attend, projection_qk_norm, window_mask
+from moepipe.runtime.batch import Batch
 from moepipe.runtime.checkpoint import TrtllmCheckpoint
 from moepipe.runtime.moe import experts_dense, experts_sparse, shared_expert
+from moepipe.runtime.parallel import Collectives
 from moepipe.runtime.routing import RouteFn, route_op
 from moepipe.runtime.weights import Layer, RankLayer, WeightLoader
 
@@ -31,21 +36,6 @@ from moepipe.runtime.weights import Layer, RankLayer, WeightLoader
 # densely, zero-weighting the unselected, while that is cheap (tiny models, decode steps);
 # else one loop over the selected experts.
 DENSE_LIMIT = 1 << 24
-
-
-@dataclass
-class Batch:
-    """Packed tokens: ``tokens`` holds ``seq_lens[i]`` new tokens of sequence i, whose cache slot
-    ``slots[i]`` already holds ``past_lens[i]`` tokens."""
-
-    tokens: torch.Tensor
-    seq_lens: list[int]
-    past_lens: list[int]
-    slots: list[int]
-
-    @classmethod
-    def single(cls, tokens: list[int], past: int = 0, slot: int = 0) -> Batch:
-        return cls(torch.tensor(tokens, dtype=torch.long), [len(tokens)], [past], [slot])
 
 
 @dataclass
@@ -78,20 +68,21 @@ class _AttentionPlan:
 
 
 class KVCache:
-    """Per-slot key/value cache, one tensor per (layer, tp rank)."""
+    """Per-slot key/value cache of the model's layers (by layer index), one tensor per tp rank
+    it holds (a rank process: its own)."""
 
     def __init__(self, model: ReferenceModel, num_slots: int, max_len: int):
         self.num_slots, self.max_len = num_slots, max_len
-        self.k: list[list[torch.Tensor]] = []
-        self.v: list[list[torch.Tensor]] = []
+        self.k: dict[int, list[torch.Tensor]] = {}
+        self.v: dict[int, list[torch.Tensor]] = {}
         for layer in model.layers:
             if model.mla is not None:  # one latent per token, shared by the tp ranks
-                self.k.append([torch.zeros(num_slots, 1, max_len, model.mla.cache_width)])
-                self.v.append([])
+                self.k[layer.index] = [torch.zeros(num_slots, 1, max_len, model.mla.cache_width)]
+                self.v[layer.index] = []
                 continue
             shape = [(num_slots, r.kv_heads, max_len, model.head_size) for r in layer.ranks]
-            self.k.append([torch.zeros(s) for s in shape])
-            self.v.append([torch.zeros(s) for s in shape])
+            self.k[layer.index] = [torch.zeros(s) for s in shape]
+            self.v[layer.index] = [torch.zeros(s) for s in shape]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,16 +96,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceModel:
-    """Forward passes over a loaded :class:`TrtllmCheckpoint`.
+    """Forward passes over a loaded :class:`TrtllmCheckpoint`: of every rank, or with ``comm``
+    of the rank ``comm.rank`` alone (``ckpt`` needs only that rank's tensors).
 
     ``previous``: the version of the same model this one replaces (a live weight update):
     every float32 tensor made from the same checkpoint tensor objects is shared with it, and
     so are the expert counters."""
 
     def __init__(self, ckpt: TrtllmCheckpoint, router: RouteFn = route_op,
-                 previous: ReferenceModel | None = None):
+                 comm: Collectives | None = None, previous: ReferenceModel | None = None):
         self.ckpt = ckpt
         self.route = router
+        self.comm = comm
         cfg = ckpt.config
         self.mapping = m = ckpt.mapping
         self.hidden = int(cfg["hidden_size"])
@@ -143,15 +136,23 @@ class ReferenceModel:
         if rot_dim != (self.mla.qk_rope_head_dim if self.mla else self.head_size):
             raise CheckpointError("partial rotary embeddings are not implemented")
         load = WeightLoader(ckpt, self, previous.loader if previous is not None else None)
+        # every stage and tp rank, or the one rank of this process
+        stages = range(m.pp) if comm is None else [m.pp_rank(comm.rank)]
+        tp_ranks = range(m.tp) if comm is None else [m.tp_rank(comm.rank)]
+        self.first_stage, self.last_stage = 0 in stages, m.pp - 1 in stages
         self.layers: list[Layer] = []
-        for stage in range(m.pp):
-            stage_ranks = [stage * m.tp + t for t in range(m.tp)]
+        for stage in stages:
+            stage_ranks = [stage * m.tp + t for t in tp_ranks]
             for local, index in enumerate(stage_layers(ckpt.num_layers, m.pp, stage)):
                 self.layers.append(load.layer(index, f"transformer.layers.{local}.", stage_ranks))
-        first, last = 0, (m.pp - 1) * m.tp
-        self.embedding = load.get(first, "transformer.vocab_embedding.weight")
-        self.ln_f = load.get(last, "transformer.ln_f.weight")
-        self.lm_head = [load.get(last + t, "lm_head.weight") for t in range(m.tp)]
+        first = min(stages) * m.tp + tp_ranks[0]  # the embedding is on every rank of stage 0
+        last = max(stages) * m.tp
+        self.embedding = load.get(first, "transformer.vocab_embedding.weight") \
+            if self.first_stage else None
+        self.ln_f = load.get(last + tp_ranks[0], "transformer.ln_f.weight") \
+            if self.last_stage else None
+        self.lm_head = [load.get(last + t, "lm_head.weight") for t in tp_ranks] \
+            if self.last_stage else []
         load.finish()
         self.loader: WeightLoader = load  # what the next version reuses
         self.expert_tokens: torch.Tensor = (
@@ -163,32 +164,67 @@ class ReferenceModel:
     def forward(self, batch: Batch, cache: KVCache | None = None,
                 all_logits: bool = False) -> torch.Tensor:
         """Logits of the last token of each sequence ``[num_seqs, vocab]`` (or of every token
-        with ``all_logits``). With a cache, new keys/values are stored in the sequences' slots."""
+        with ``all_logits``). With a cache, new keys/values are stored in the sequences' slots.
+        """
+        logits = self.run(batch, cache, all_logits)
+        if logits is None:
+            raise CheckpointError("no logits on this rank: only the leader (rank 0) of a rank "
+                                  "group gets them")
+        return logits
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, cache: KVCache | None = None,
+            all_logits: bool = False) -> torch.Tensor | None:
+        """:meth:`forward` of any rank: the logits, or None on a rank process other than the
+        leader."""
+        comm = self.comm
+        if comm is not None:
+            comm.begin_step(batch, all_logits)
         positions = torch.cat([torch.arange(p, p + n) for p, n in
                                zip(batch.past_lens, batch.seq_lens, strict=True)])
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         f = self.rope_factor
         cos, sin = f * emb.cos()[:, None, :], f * emb.sin()[:, None, :]
-        h = self.embedding[batch.tokens]
+        if self.embedding is not None:
+            h = self.embedding[batch.tokens]
+        elif comm is not None:
+            h = comm.recv_activations((batch.tokens.shape[0], self.hidden))
+        else:
+            raise CheckpointError("no embedding: the model holds no first pipeline stage")
         plan = _AttentionPlan.of(batch, cache)
         for layer in self.layers:
             x = rms_norm(h, layer.input_norm, self.eps)
             if layer.mla is not None and self.mla is not None:
-                attn = mla.attention(x, layer.mla, self.mla, cos, sin, plan,
-                                     cache.k[layer.index][0] if cache else None,
-                                     self.mla_absorbed)
+                attn = self._reduce(mla.attention(x, layer.mla, self.mla, cos, sin, plan,
+                                                  cache.k[layer.index][0] if cache else None,
+                                                  self.mla_absorbed))
             else:
                 attn = self._gqa(x, layer, cos, sin, plan, cache)
             h = h + attn
             x = rms_norm(h, layer.post_norm, self.eps)
-            h = h + self._moe(x, layer)
-        if not all_logits:
-            last = torch.tensor(batch.seq_lens).cumsum(0) - 1
-            h = h[last]
-        h = rms_norm(h, self.ln_f, self.eps)
-        logits = torch.cat([h @ part.T for part in self.lm_head], dim=-1)
-        return logits[:, : self.vocab_size]
+            h = h + self._reduce(self._moe(x, layer))
+        rows = h.shape[0] if all_logits else len(batch.seq_lens)
+        logits = None
+        if self.ln_f is not None:
+            if not all_logits:
+                last = torch.tensor(batch.seq_lens).cumsum(0) - 1
+                h = h[last]
+            h = rms_norm(h, self.ln_f, self.eps)
+            logits = torch.cat([h @ part.T for part in self.lm_head], dim=-1)
+            if comm is not None:
+                logits = comm.all_gather(logits)
+            logits = logits[:, : self.vocab_size]
+        elif comm is not None:
+            comm.send_activations(h)
+        if comm is not None:
+            return comm.finish_step(logits, (rows, self.vocab_size))
+        return logits
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the tensor-parallel ranks: the model holds every
+        rank and has summed them already, or a rank process all-reduces its part."""
+        return x if self.comm is None else self.comm.all_reduce(x)
 
     def _gqa(self, x, layer: Layer, cos, sin, plan: _AttentionPlan,
              cache: KVCache | None) -> torch.Tensor:
@@ -197,10 +233,12 @@ class ReferenceModel:
         if self.ckpt.facts.qk_norm_projection:
             qkv = projection_qk_norm(qkv, [w.q_norm for w in layer.ranks],
                                      [w.k_norm for w in layer.ranks], self.num_heads,
-                                     self.num_kv_heads, self.head_size, self.eps)
+                                     self.num_kv_heads, self.head_size, self.eps,
+                                     tp=self.mapping.tp, reduce=self._reduce)
         attn = torch.zeros_like(x)
         for r, w in enumerate(layer.ranks):
             attn += self._attention(qkv[r], w, layer.index, r, cos, sin, plan, cache)
+        attn = self._reduce(attn)
         return attn if layer.dense_bias is None else attn + layer.dense_bias
 
     def _qkv(self, x, w: RankLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

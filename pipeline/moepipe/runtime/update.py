@@ -63,17 +63,17 @@ def load_update(current: ReferenceModel, new_dir: str | Path) -> WeightUpdate:
         raise IncompatibleUpdate(
             f"{new_dir} is not the same model as the one serving ({', '.join(changed)} "
             "differ in config.json)", "only new weights of the same model update in place")
-    ranks = list(range(len(old.ranks)))
+    ranks = sorted(old.ranks)  # a rank process holds (and reads) its own rank only
     diff = diff_checkpoints(Path(old.path), new_dir, old.mapping.world_size, ranks)
-    tensors = []
+    tensors: dict[int, dict[str, torch.Tensor]] = {}
     read = 0
     for rank in ranks:
         d = diff.ranks[rank]
         fresh = load_file(new_dir / rank_file(rank), d.changed) if d.changed else {}
         read += sum(t.nbytes for t in fresh.values())
         gone = set(d.removed)
-        tensors.append({**{n: t for n, t in old.ranks[rank].items()
-                           if n not in gone and n not in fresh}, **fresh})
+        tensors[rank] = {**{n: t for n, t in old.ranks[rank].items()
+                            if n not in gone and n not in fresh}, **fresh}
     model = ReferenceModel(with_tensors(new_dir, cfg, tensors), current.route, previous=current)
     before = storages(current)
     extra = sum(n for ptr, n in storages(model).items() if ptr not in before)

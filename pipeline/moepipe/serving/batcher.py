@@ -7,6 +7,11 @@ requests (ragged, in one packed forward) and advances every running request by o
 Each request runs on one weights version (:mod:`moepipe.serving.versions`) from its admission
 to its end; while requests on two versions run (after a live update's switch, or while one is
 validated), a step runs one forward per version.
+
+With a rank group (world size > 1) the model is rank 0's and ``health`` its group
+(:class:`moepipe.ranks.leader.Leader`): while the group cannot run steps, new requests are
+refused and every request in flight ends with :class:`RankGroupLost`'s message (Triton's
+UNAVAILABLE); the engine thread then waits for the group to be formed again.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
+from moepipe.ranks.errors import RankGroupLost
 from moepipe.runtime.model import Batch, KVCache, ReferenceModel
 from moepipe.runtime.sampling import sample
-from moepipe.serving.admission import Admission, Busy
+from moepipe.serving.core.admission import Admission
+from moepipe.serving.core.errors import Busy
 from moepipe.serving.request import GenerationRequest, RequestError
 from moepipe.serving.versions import WeightVersions
 
@@ -31,21 +39,36 @@ log = logging.getLogger("moepipe")
 CANCEL_CHECK_STEPS = 4
 
 
+class GroupHealth(Protocol):
+    """A rank group as the engine sees it (:class:`moepipe.ranks.leader.Leader`)."""
+
+    def check(self) -> None:
+        """Raise :class:`RankGroupLost` unless the group can run steps."""
+
+    def recover(self, stop: threading.Event) -> bool:
+        """Block until the group can run steps again (False: ``stop`` was set first)."""
+
+
 class Batcher:
     def __init__(self, model: ReferenceModel, max_batch_size: int, max_seq_len: int,
                  max_input_len: int | None = None,
                  on_step: Callable[[ReferenceModel, bool], None] | None = None,
                  max_queue_size: int = 0, queue_timeout_s: float = 0.0,
-                 version: str = ""):
+                 admission: Admission | None = None,
+                 health: GroupHealth | None = None, version: str = ""):
         self.model = model  # the serving version's (updated between steps)
         self.versions = WeightVersions(model, version)
+        self.health = health
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_input_len = max_input_len or max_seq_len
         self.cache = KVCache(model, max_batch_size, max_seq_len)
         self.on_step = on_step
-        # max_queue_size requests may wait for a slot (0: any number); more are refused (Busy)
-        self.admission = Admission(max_batch_size, max_queue_size, queue_timeout_s)
+        # max_queue_size requests may wait for a slot (0: any number); more are refused (Busy).
+        # A Triton model passes the serving core's copy it ships (its Busy is the one it
+        # answers as UNAVAILABLE).
+        self.admission = admission or Admission(max_batch_size, max_queue_size,
+                                                queue_timeout_s)
         self._incoming: queue.Queue[GenerationRequest | None] = queue.Queue()
         self._waiting: list[GenerationRequest] = []
         self._running: list[GenerationRequest] = []
@@ -71,6 +94,8 @@ class Batcher:
             pinned = self.versions.pin(req.weights_version)
             if pinned is not None:
                 req.version, req.weights = pinned
+        if self.health is not None:
+            self.health.check()  # RankGroupLost: refused (UNAVAILABLE) while it is down
         self.admission.enter(reqs)
         for req in reqs:
             self._incoming.put(req)
@@ -124,12 +149,26 @@ class Batcher:
             if self._stop.is_set():
                 break
             try:
+                if self.health is not None:
+                    self.health.check()
                 self.step()
+            except RankGroupLost as e:  # every request in flight ends; then the next group
+                self._fail_everything(str(e))
+                if self.health is not None:
+                    self.health.recover(self._stop)
             except Exception as e:  # a bug: fail the batch (answered, slots freed), keep serving
                 log.exception("engine step failed")
                 for req in {id(r): r for r in self._admitted + self._running}.values():
                     self._fail(req, f"internal error: {e}")
                 self._running, self._admitted = [], []
+
+    def _fail_everything(self, message: str) -> None:
+        """End every request the engine holds (running, admitted, waiting, just submitted)."""
+        self._drain(False)
+        held = {id(r): r for r in self._admitted + self._running + self._waiting}
+        self._running, self._admitted, self._waiting = [], [], []
+        for req in held.values():
+            self._fail(req, message)
 
     def _drain(self, block: bool) -> None:
         try:

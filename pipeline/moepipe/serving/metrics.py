@@ -86,3 +86,53 @@ class ServingMetrics:
         self.histograms.clear()
         self.gauges.clear()
         self._families.clear()
+
+
+class EngineCounters:
+    """``moepipe_expert_tokens_total{model,layer,expert}`` (tokens routed to each expert of each
+    MoE layer), ``moepipe_generated_tokens_total{model}``, ``moepipe_prompt_tokens_total{model}``
+    (prompt tokens of admitted requests) and ``moepipe_running_requests``.
+    ``delta`` runs on the engine thread, ``publish`` off it (like ``ServingMetrics``)."""
+
+    def __init__(self, pb_utils: Any, model_name: str, model: Any):
+        mf = pb_utils.MetricFamily
+        self._families = [
+            mf(name="moepipe_expert_tokens_total",
+               description="Tokens routed to each expert of each MoE layer", kind=mf.COUNTER),
+            mf(name="moepipe_generated_tokens_total", description="Tokens generated",
+               kind=mf.COUNTER),
+            mf(name="moepipe_running_requests", description="Requests in the running batch",
+               kind=mf.GAUGE),
+            mf(name="moepipe_prompt_tokens_total",
+               description="Prompt tokens of admitted requests", kind=mf.COUNTER)]
+        # (the families stay referenced: the backend deletes a collected family's metrics)
+        experts, tokens, running, prompt = self._families
+        self.experts = [[experts.Metric(labels={"model": model_name, "layer": str(layer),
+                                                "expert": str(e)})
+                         for e in range(model.num_experts)]
+                        for layer in range(model.ckpt.num_layers)]  # a stage: all layers
+        self.tokens = tokens.Metric(labels={"model": model_name})
+        self.running = running.Metric(labels={"model": model_name})
+        self.prompt = prompt.Metric(labels={"model": model_name})
+        self._last = model.expert_tokens.clone()
+
+    def delta(self, model: Any) -> list[list[int]]:
+        """Tokens routed per (layer, expert) since the last call."""
+        counts = model.expert_tokens.clone()
+        delta = (counts - self._last).tolist()
+        self._last = counts
+        return delta
+
+    def publish(self, delta: list[list[int]], tokens: int, running: int) -> None:
+        for layer, row in enumerate(delta):
+            for e, n in enumerate(row):
+                if n:
+                    self.experts[layer][e].increment(n)
+        if tokens:
+            self.tokens.increment(tokens)
+        self.running.set(running)
+
+    def close(self) -> None:
+        self.experts.clear()
+        del self.tokens, self.running, self.prompt
+        self._families.clear()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,10 +10,10 @@ from typing import Any
 import torch
 
 from moepipe.runtime.sampling import SamplingParams
+from moepipe.serving.core import checks
+from moepipe.serving.core.errors import RequestError
 
-
-class RequestError(ValueError):
-    """A request the engine refuses (reported to the client as INVALID_ARG)."""
+__all__ = ["GenerationRequest", "RequestError"]
 
 
 @dataclass
@@ -59,34 +58,18 @@ class GenerationRequest:
     last_token_ns: int = 0
 
     def validate(self, vocab_size: int, max_input_len: int, max_seq_len: int) -> None:
-        if not self.prompt:
-            raise RequestError("the prompt is empty")
-        if self.max_new_tokens < 1:
-            wrapped = (" (JSON values above 2147483647 wrap around when Triton's HTTP frontend "
-                       "narrows them to INT32)") if self.max_new_tokens < 0 else ""
-            raise RequestError(f"max_tokens must be >= 1, got {self.max_new_tokens}{wrapped}")
-        if len(self.prompt) > max_input_len:
-            raise RequestError(f"the prompt has {len(self.prompt)} tokens; the limit is "
-                               f"max_input_len={max_input_len}")
-        if len(self.prompt) + self.max_new_tokens > max_seq_len:
-            raise RequestError(
-                f"prompt ({len(self.prompt)} tokens) + max_tokens ({self.max_new_tokens}) "
-                f"exceeds max_seq_len={max_seq_len}")
-        bad = [t for t in self.prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        """The engine's own guard, in the serving core's words (``checks``); its top_p is
+        the sampler's (1.0 = off), so it must be in (0, 1]."""
+        checks.check_lengths(len(self.prompt), self.max_new_tokens,
+                             checks.Limits(vocab_size, max_input_len, max_seq_len))
+        checks.check_token_ids(self.prompt, vocab_size)
         s = self.sampling
-        if not (math.isfinite(s.temperature) and s.temperature >= 0):
-            raise RequestError(f"temperature must be a finite number >= 0, got {s.temperature}")
-        if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+        checks.check_sampling(temperature=s.temperature, runtime_top_p=s.top_p,
+                              runtime_top_k=s.top_k, repetition_penalty=self.repetition_penalty,
+                              presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty)
+        if not 0 < s.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {s.top_p}")
-        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise RequestError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.sampling.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {self.sampling.top_k}")
 
     @property
     def plain_greedy(self) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moepipe.config import MoepipeConfig
+from moepipe.targets import get_target
 
 Echo = Callable[[str], None]
 log = logging.getLogger("moepipe")
@@ -45,6 +46,8 @@ class BuildContext:
     steps: int = 0
     # stage name -> True when its output is a Hugging Face checkpoint later stages read
     hf_outputs: dict[str, bool] = field(default_factory=dict)
+    # A resumable stage's folder for finished work that outlives a killed build (see Stage).
+    scratch: Path | None = None
 
     def step(self, text: str) -> None:
         """Progress inside a stage (a shard, a layer, a batch): the live line on a terminal,
@@ -88,6 +91,8 @@ class BuildContext:
 class Stage:
     name: str
     version: int
+    # Within a target that lists the stage (moepipe.targets: Target.stages), whether the
+    # config needs it (quantize: only for a quantized model).
     applies: Callable[[MoepipeConfig], bool]
     settings: Callable[[MoepipeConfig], dict[str, Any]]  # config values its output depends on
     inputs: tuple[str, ...]  # stages it reads (their fingerprints are part of its own)
@@ -95,7 +100,8 @@ class Stage:
     run: Callable[[BuildContext, Path], dict[str, Any]]  # writes into the given folder
     estimate: Callable[[BuildContext], dict[str, Any]] | None = None  # plan: memory, command
     memory: Callable[[BuildContext], int] | None = None  # peak host bytes (pre-flight)
-    memory_hint: str = "use a machine with more memory"
+    # What to change when the machine has too little memory (may depend on the config).
+    memory_hint: str | Callable[[BuildContext], str] = "use a machine with more memory"
     disk: Callable[[BuildContext], int] | None = None  # bytes its output takes (pre-flight)
     # Checks of the machine and the config made before the build runs any stage (fail fast).
     preflight: Callable[[BuildContext], None] | None = None
@@ -105,10 +111,21 @@ class Stage:
     link: str | None = None
     # Its output is a Hugging Face checkpoint (the model later stages read).
     hf_checkpoint: bool = False
+    # It runs only on a GPU machine (a GPU target's deployment renders before it ran).
+    gpu: bool = False
     # A folder of the user's used in place instead of an output (None: build one).
     in_place: Callable[[MoepipeConfig], Path | None] | None = None
     # Extra fingerprint inputs read from outside the config (e.g. the BLAKE3 of the user's files).
     external: Callable[[MoepipeConfig], dict[str, Any]] | None = None
+    # Resumable: the runner gives it ``ctx.scratch``, a folder kept when a build is killed
+    # (``.<output>.resume`` beside the output, so for its fingerprint only) and removed once
+    # the stage's output is in place. What the stage keeps there must be complete when named.
+    resumable: bool = False
+
+    def needed(self, cfg: MoepipeConfig) -> bool:
+        """Whether a build of ``cfg`` runs this stage: its target's deployment is made from
+        it and the config asks for it."""
+        return self.name in get_target(cfg.target).stages and self.applies(cfg)
 
 
 def gib(n: int) -> str:

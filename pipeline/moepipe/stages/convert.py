@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from moepipe.arch.hf import open_hf_checkpoint
+from moepipe.checkpoints.dtypes import itemsize
 from moepipe.config import MoepipeConfig
 from moepipe.conversion.write import convert_into, convert_memory
 from moepipe.stages.base import BuildContext, Stage, gib
@@ -30,23 +31,21 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
 def _preflight(ctx: BuildContext) -> None:
     """Families the target cannot take are refused before anything runs."""
     from moepipe.arch import get_family
-    from moepipe.arch.targets import check_quantizable, check_target
+    from moepipe.arch.family import check_quantizable
     from moepipe.stages.source import source_spec
+    from moepipe.targets import check_family
 
     spec = source_spec(ctx)
     if spec is None:
         return
     family = get_family(spec.architecture)
-    check_target(family, ctx.cfg.target, spec)
+    check_family(family, ctx.cfg.target, spec)
     check_quantizable(family, ctx.cfg.quantize.format)
 
 
 def _memory(ctx: BuildContext) -> int:
     source = ctx.latest_hf_checkpoint  # None: planned before the model exists
     return convert_memory(source, ctx.cfg.parallel.to_mapping())
-
-
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _disk(ctx: BuildContext) -> int:
@@ -58,18 +57,18 @@ def _disk(ctx: BuildContext) -> int:
         ckpt = open_hf_checkpoint(source)  # once: its spec and format say it all
         want = ctx.cfg.model.dtype
         if want != "auto" and ctx.cfg.quantize.format == "none":
-            ratio = _ITEMSIZE[want] / _ITEMSIZE.get(ckpt.spec.torch_dtype, 2)
+            ratio = itemsize(want) / itemsize(ckpt.spec.torch_dtype)
         out = ckpt.spec.torch_dtype if want == "auto" else want
         if ckpt.fp8_block:
             # 1-byte weights come out in the model dtype (an upper bound: bf16 parts count twice)
-            ratio = _ITEMSIZE[out]
+            ratio = itemsize(out)
         if ckpt.mxfp4:
             # 4.25-bit MXFP4 experts come out in the model dtype (an upper bound, as above)
-            ratio = 4 * _ITEMSIZE[out]
+            ratio = 4 * itemsize(out)
     return int(total * ratio * 1.05) + (1 << 20)  # padded vocab, duplicated KV heads
 
 
-STAGE = Stage("convert", 1, applies=lambda cfg: cfg.target in ("cpu", "trtllm-engine"),
+STAGE = Stage("convert", 1, applies=lambda cfg: True,
               settings=_settings, inputs=("source", "quantize"), tools=(), run=_run,
               estimate=lambda ctx: {"host memory (peak)": gib(_memory(ctx))}, memory=_memory,
               preflight=_preflight,

@@ -30,7 +30,6 @@ from moepipe.trtllm.engine import (
     checkpoint_mapping,
     engine_memory,
     engine_world_size,
-    model_params,
     trtllm_build_command,
 )
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
@@ -152,21 +151,10 @@ def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
     return {"command": trtllm_build_command(cfg, Path("CHECKPOINT"), Path("ENGINE"))}
 
 
-# Bytes per parameter of the engine's weights, for the memory estimate before quantizing.
-_FORMAT_BYTES = {"fp8": 1.0, "int8_sq": 1.0, "int4_awq": 0.5, "w4a8_awq": 0.5, "nvfp4": 0.5625}
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def _inputs(ctx: BuildContext):
+    """(spec, mapping) of the engine's estimate, or None before the model exists."""
     spec = source_spec(ctx)
-    if spec is None:
-        return None
-    cfg = ctx.cfg
-    dtype = spec.torch_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
-    per_param = _FORMAT_BYTES.get(cfg.quantize.format, _DTYPE_BYTES.get(dtype, 2))
-    weight_bytes = int(model_params(spec) * per_param)
-    kv_bytes = 1 if cfg.quantize.kv_cache != "none" else _DTYPE_BYTES.get(dtype, 2)
-    return spec, cfg.parallel.to_mapping(), weight_bytes, kv_bytes
+    return None if spec is None else (spec, ctx.cfg.parallel.to_mapping())
 
 
 def _preflight(ctx: BuildContext) -> None:
@@ -221,6 +209,6 @@ def _estimate(ctx: BuildContext) -> dict[str, Any]:
     return info
 
 
-STAGE = Stage("engine", 1, applies=lambda cfg: cfg.target == "trtllm-engine",
+STAGE = Stage("engine", 1, applies=lambda cfg: True,
               settings=_settings, inputs=("convert",), tools=("tensorrt-llm",), run=_run,
-              estimate=_estimate, preflight=_preflight, link="engine")
+              estimate=_estimate, preflight=_preflight, link="engine", gpu=True)

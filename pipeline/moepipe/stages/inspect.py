@@ -11,13 +11,13 @@ from typing import Any
 from moepipe.arch import get_family
 from moepipe.arch.hf import open_hf_checkpoint
 from moepipe.arch.mla import DeepseekSpec
-from moepipe.arch.targets import check_target
 from moepipe.checkpoints.mxfp4 import BLOCKS, SCALES
 from moepipe.checkpoints.reader import CheckpointReader
 from moepipe.config import MoepipeConfig
 from moepipe.errors import CheckpointError
 from moepipe.mapping import check_mapping, legal_mappings
 from moepipe.stages.base import BuildContext, Stage
+from moepipe.targets import check_family
 
 
 @dataclass
@@ -150,7 +150,7 @@ def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
     source = ctx.model_dir
     result = inspect_checkpoint(source)
     spec = open_hf_checkpoint(source).spec
-    check_target(get_family(result.data["architecture"]), ctx.cfg.target, spec)
+    check_family(get_family(result.data["architecture"]), ctx.cfg.target, spec)
     check_mapping(spec, ctx.cfg.parallel.to_mapping())
     data = {k: v for k, v in result.data.items() if k != "path"}  # same input, same bytes
     (out / "inspect.json").write_text(json.dumps(data, indent=2) + "\n")
@@ -166,7 +166,7 @@ def _preflight(ctx: BuildContext) -> None:
 
     spec = source_spec(ctx)
     if spec is not None:
-        check_target(get_family(spec.architecture), ctx.cfg.target, spec)
+        check_family(get_family(spec.architecture), ctx.cfg.target, spec)
 
 
 STAGE = Stage("inspect", 1, applies=lambda cfg: True, settings=_settings, inputs=("source",),

@@ -2,18 +2,25 @@
 Hugging Face checkpoint (what the trtllm-pytorch target serves; the converter turns it into a
 TensorRT-LLM quantized checkpoint for the other targets).
 
+* One decoder layer at a time (:mod:`moepipe.quant.layerwise`): memory is bounded by a layer
+  in float32 and the calibration activations (:mod:`moepipe.quant.memory`), whatever the depth;
+  the checkpoint equals what calibrating the whole model at once writes
+  (``tests/e2e/test_layerwise_equivalence.py``). ``quantize.device``: the CPU, or a GPU one
+  layer at a time. A killed build resumes at the first unfinished layer (the build keeps the
+  stage's scratch folder); a live line per layer on a terminal.
 * Formats: ``fp8``, ``int8_sq`` (SmoothQuant), ``int4_awq`` (block 128) on CPU; ``w4a8_awq`` and
   ``nvfp4`` need a GPU. KV cache: ``fp8`` or ``int8``.
 * Calibration text comes from a local file or, by default, the held-out chapters of the corpus
   shipped with moepipe (text the trained examples never saw); nothing is downloaded. The
   sequences after the calibration ones are kept (``heldout.json``) for the quality stage.
 * Experts are unfused first so that calibration, smoothing and AWQ reach every expert;
-  ``moe_calib_experts_ratio=1.0`` routes calibration tokens through all experts.
+  ``moe_calib_experts_ratio=1.0`` routes calibration tokens through all experts (the record
+  says, per layer, how many experts the router itself sent no token).
 * Routers and shared-expert gates are never quantized (checked after calibration).
 * ``int8_sq`` leaves the routed experts in the model dtype: TensorRT-LLM has no SmoothQuant MoE
   kernels, and what is measured must be what is deployed.
-* The export (:func:`moepipe.quant.recipe.export_unified`) holds exactly what modelopt's own
-  TensorRT-LLM exporter writes from the same calibration (checked by ``tests/oracle``).
+* The export holds exactly what modelopt's own TensorRT-LLM exporter writes from the same
+  calibration (:func:`moepipe.quant.recipe.export_unified`, checked by ``tests/oracle``).
 """
 
 from __future__ import annotations
@@ -21,20 +28,19 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from moepipe.config import GPU_ONLY_FORMATS, MoepipeConfig
 from moepipe.errors import ConfigError, EnvironmentMissing, MoepipeError, UnsupportedError
-from moepipe.quant.recipe import FORMATS, export_unified, quant_config
+from moepipe.quant.recipe import FORMATS
 from moepipe.stages.base import BuildContext, Stage, gib
 from moepipe.stages.source import source_spec
 from moepipe.utils.bounded import ReadError, read_prefix
 
 AWQ_BLOCK = 128
 HELDOUT = "heldout.json"
-# Modules that must stay unquantized (routers, shared-expert gate), by name fragment.
-NEVER_QUANTIZED = (".gate.", "block_sparse_moe.gate", "shared_expert_gate", "router")
 
 
 def check_environment(fmt: str) -> None:
@@ -122,12 +128,13 @@ def calibration_tokens(cfg: MoepipeConfig, tokenizer) -> tuple[list[list[int]], 
     return seqs[:cal.samples], seqs[cal.samples:]
 
 
-def run_quantize(cfg: MoepipeConfig, source: Path, out: Path, echo=print,
+def run_quantize(cfg: MoepipeConfig, source: Path, out: Path, scratch: Path, echo=print,
                  step=lambda text: None, log_path: Path | None = None) -> dict[str, Any]:
-    """Quantize the checkpoint at ``source`` into ``out`` (a unified HF checkpoint).
+    """Quantize the checkpoint at ``source`` into ``out`` (a unified HF checkpoint), one
+    decoder layer at a time; ``scratch`` keeps finished layers for a rerun after a kill.
     modelopt's own prints and warnings go to ``log_path`` (when given)."""
     with _tool_output(log_path):
-        return _run_quantize(cfg, source, out, echo, step)
+        return _run_quantize(cfg, source, out, echo, step, scratch)
 
 
 @contextlib.contextmanager
@@ -161,51 +168,43 @@ def _tool_output(log_path: Path | None):
             hf_logger.handlers, hf_logger.propagate = saved
 
 
-def _run_quantize(cfg: MoepipeConfig, source: Path, out: Path, echo, step) -> dict[str, Any]:
+def _run_quantize(cfg: MoepipeConfig, source: Path, out: Path, echo, step,
+                  scratch: Path) -> dict[str, Any]:
     from moepipe.arch.hf import open_hf_checkpoint
 
     q = cfg.quantize
     check_environment(q.format)
+    device = quantize_device(q.device)
     ckpt = open_hf_checkpoint(source)
     check_dimensions(q.format, ckpt.spec)
 
-    import torch
-    from modelopt.torch.quantization import quantize as mtq_quantize
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from moepipe.quant.unfuse import unfuse_experts
+    from moepipe.quant.layerwise import Calibration, quantize_layerwise
+    from moepipe.utils.progress import current
 
     hf_logging.disable_progress_bar()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     trust = cfg.model.trust_remote_code
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
     calib, heldout = calibration_tokens(cfg, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
-                                                 trust_remote_code=trust).eval().to(device)
-    unfused = unfuse_experts(model, ckpt.family.expert_names)
-    batch = q.calibration.batch_size
-
-    def forward_loop(m):
-        with torch.no_grad():
-            for i in range(0, len(calib), batch):
-                step(f"calibration batch {i // batch + 1}/{-(-len(calib) // batch)}")
-                m(input_ids=torch.tensor(calib[i:i + batch], device=device))
-
     echo(f"  quantize: {q.format} (kv cache {q.kv_cache}), {len(calib)} calibration sequences "
-         f"x {q.calibration.seq_len} tokens on {device}")
-    mtq_quantize(model, quant_config(q.format, q.kv_cache), forward_loop)
-    quantized, never = _inspect_quantizers(model)
-    if never:
-        raise MoepipeError(f"router / gate modules were quantized: {', '.join(never[:3])} "
-                           "(a moepipe bug)")
-    extra = _int8_kv_scales(model) if q.kv_cache == "int8" else {}
-    if ckpt.spec.torch_dtype in ("float16", "bfloat16"):  # calibrated in float32, kept 16-bit
-        model = model.to(getattr(torch, ckpt.spec.torch_dtype))
-    # q/k/v and gate/up share their scales before the export (as modelopt's TensorRT-LLM
-    # exporter does), so the converter never requantizes (moepipe.quant.recipe)
-    export_unified(model.cpu(), out, ckpt.family.expert_names, extra_state_dict=extra or None)
-    _fix_quant_config(out, q.kv_cache)
+         f"x {q.calibration.seq_len} tokens, one decoder layer at a time on {device}")
+    started = time.monotonic()
+
+    meter, counted = current(), [0]  # the stage's progress task counts segments
+
+    def progress(done: int, total: int, elapsed: float, ran: int) -> None:
+        if not counted[0]:
+            meter.plan(total)
+        meter.advance(done - counted[0])  # a resumed run starts past its written segments
+        counted[0] = done
+        step(progress_line(done, total, elapsed, ran))
+
+    details = quantize_layerwise(
+        source, out, scratch, Calibration(q.format, q.kv_cache, calib,
+                                          q.calibration.batch_size, device),
+        ckpt.family.expert_names, trust_remote_code=trust, progress=progress)
     for path in source.iterdir():  # the tokenizer travels with the checkpoint
         if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges",
                                  "added_tokens", "chat_template")) and path.is_file():
@@ -214,60 +213,40 @@ def _run_quantize(cfg: MoepipeConfig, source: Path, out: Path, echo, step) -> di
                                            "sequences": heldout}) + "\n")
     return {"format": q.format, "kv_cache": q.kv_cache, "quant_algo": FORMATS[q.format][1],
             "calibration_sequences": len(calib), "calibration_tokens": len(calib) * len(calib[0]),
-            "unfused_moe_layers": unfused, "quantized_modules": quantized, "device": device}
+            "seconds": round(time.monotonic() - started, 3), **details}
 
 
-def _inspect_quantizers(model) -> tuple[int, list[str]]:
-    """How many modules got an enabled weight quantizer, and which routers did (none!)."""
-    quantized, never = 0, []
-    for name, module in model.named_modules():
-        wq = getattr(module, "weight_quantizer", None)
-        if wq is not None and getattr(wq, "is_enabled", False):
-            quantized += 1
-            if any(frag in name + "." for frag in NEVER_QUANTIZED) and "experts" not in name:
-                never.append(name)
-    return quantized, never
-
-
-def _int8_kv_scales(model) -> dict[str, Any]:
-    """modelopt's unified export takes FP8 KV scales only. For INT8 the scales (amax / 127)
-    are written as ``k_proj.k_scale`` / ``v_proj.v_scale`` like FP8's, and the quantizers are
-    switched off before export."""
+def quantize_device(setting: str) -> str:
+    """``quantize.device`` resolved on this machine (auto: the GPU when one is visible)."""
     import torch
 
-    extra = {}
-    for name, module in model.named_modules():
-        for kind in ("k", "v"):
-            quantizer = getattr(module, f"{kind}_bmm_quantizer", None)
-            if quantizer is None or quantizer.amax is None:
-                continue
-            scale = (quantizer.amax.float().max() / 127.0).reshape(())
-            extra[f"{name}.{kind}_proj.{kind}_scale"] = scale.to(torch.float32).cpu()
-            quantizer.reset_amax()  # else the export still finds (and rejects) its amax
-            quantizer.disable()
-    return extra
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise EnvironmentMissing("quantize.device is cuda but no GPU is visible here",
+                                 "set quantize.device: auto or cpu, or build on a GPU machine")
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
 
 
-def _fix_quant_config(out: Path, kv_cache: str) -> None:
-    if kv_cache != "int8":
-        return
-    path = out / "hf_quant_config.json"
-    data = json.loads(path.read_text())
-    data["quantization"]["kv_cache_quant_algo"] = "INT8"
-    path.write_text(json.dumps(data, indent=4) + "\n")
-    cfg_path = out / "config.json"
-    config = json.loads(cfg_path.read_text())
-    qc = config.get("quantization_config", {})
-    qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "int"}
-    config["quantization_config"] = qc
-    cfg_path.write_text(json.dumps(config, indent=2) + "\n")
+def progress_line(done: int, total: int, elapsed: float, ran: int) -> str:
+    """The live line of layer-by-layer quantization after ``done`` of ``total`` segments (the
+    embedding, each decoder layer, lm_head), ``ran`` of them in this run, ``elapsed``
+    seconds into it: "layer 3/32, 1m04s elapsed, about 9m30s left"."""
+    layers = total - 2
+    where = ("embedding" if done <= 1 else f"layer {min(done - 1, layers)}/{layers}"
+             if done <= layers + 1 else f"layer {layers}/{layers}, lm_head")
+    left = elapsed / ran * (total - done) if ran else 0.0
+    return f"{where}, {_duration(elapsed)} elapsed, about {_duration(left)} left"
 
 
-def quantize_memory(param_count: int) -> int:
-    """Peak host bytes: modelopt holds the model in float32 with quantizer state and the
-    export makes quantized copies (about 2.2x the float32 weights), plus about 1 GiB for
-    torch, transformers and modelopt."""
-    return int(param_count * 4 * 2.2) + (1 << 30)
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    return f"{minutes // 60}h{minutes % 60:02d}m"
 
 
 # -- the stage ---------------------------------------------------------------------------------
@@ -280,11 +259,12 @@ def _settings(cfg: MoepipeConfig) -> dict[str, Any]:
         cal["dataset"] = cached_digest(q.calibration.dataset) \
             if q.calibration.dataset.is_file() else str(q.calibration.dataset)
     return {"format": q.format, "kv_cache": q.kv_cache, "calibration": cal,
-            "trust_remote_code": cfg.model.trust_remote_code}
+            "device": q.device, "trust_remote_code": cfg.model.trust_remote_code}
 
 
 def _preflight(ctx: BuildContext) -> None:
     check_environment(ctx.cfg.quantize.format)
+    quantize_device(ctx.cfg.quantize.device)
     dataset = ctx.cfg.quantize.calibration.dataset
     if dataset is not None and not dataset.is_file():
         raise ConfigError(f"quantize.calibration.dataset: {dataset} does not exist",
@@ -292,7 +272,7 @@ def _preflight(ctx: BuildContext) -> None:
     spec = source_spec(ctx)
     if spec is not None:
         from moepipe.arch import get_family
-        from moepipe.arch.targets import check_quantizable
+        from moepipe.arch.family import check_quantizable
 
         check_quantizable(get_family(spec.architecture), ctx.cfg.quantize.format)
         check_dimensions(ctx.cfg.quantize.format, spec)
@@ -304,28 +284,56 @@ def _preflight(ctx: BuildContext) -> None:
 
 
 def _run(ctx: BuildContext, out: Path) -> dict[str, Any]:
-    return run_quantize(ctx.cfg, ctx.model_dir, out, echo=ctx.echo, step=ctx.step,
-                        log_path=ctx.cfg.workdir / "logs" / "quantize.log")
+    if ctx.scratch is None:
+        raise MoepipeError("the quantize stage runs inside `moepipe build` (a moepipe bug)")
+    return run_quantize(ctx.cfg, ctx.model_dir, out, ctx.scratch, echo=ctx.echo,
+                        step=ctx.step, log_path=ctx.cfg.workdir / "logs" / "quantize.log")
+
+
+def _sizes(ctx: BuildContext) -> tuple[int, int, int, int] | None:
+    """(largest decoder layer, embedding or lm_head parameters, hidden size, calibration
+    tokens) of the source model; None before an example is written."""
+    from moepipe.sizing.shapes import shape_of
+
+    spec = source_spec(ctx)
+    if spec is None:
+        return None
+    cal = ctx.cfg.quantize.calibration
+    return (shape_of(spec).largest_layer_parameters(), spec.vocab_size * spec.hidden_size,
+            spec.hidden_size, cal.samples * cal.seq_len)
 
 
 def _memory(ctx: BuildContext) -> int:
-    from moepipe.trtllm.engine import model_params
+    from moepipe.quant.memory import quantize_memory
 
-    spec = source_spec(ctx)
-    return 0 if spec is None else quantize_memory(model_params(spec))
+    sizes = _sizes(ctx)
+    return 0 if sizes is None else quantize_memory(*sizes)
+
+
+def _memory_hint(ctx: BuildContext) -> str:
+    from moepipe.quant.memory import activation_bytes, segment_bytes
+
+    sizes = _sizes(ctx)
+    if sizes is None:
+        return "quantize on a machine with more memory"
+    layer, outer, hidden, tokens = sizes
+    return (f"one decoder layer at a time needs {gib(segment_bytes(layer, outer))} "
+            f"and the calibration activations {gib(activation_bytes(hidden, tokens))}: lower "
+            "quantize.calibration.samples or seq_len, or quantize on a machine with more "
+            "memory")
 
 
 def _estimate(ctx: BuildContext) -> dict[str, Any]:
     q = ctx.cfg.quantize
     cal = q.calibration
     return {"format": f"{q.format} (kv cache {q.kv_cache}), {cal.samples} x {cal.seq_len} "
-                      f"calibration tokens from {cal.dataset or 'the built-in corpus'}",
+                      f"calibration tokens from {cal.dataset or 'the built-in corpus'}, one "
+                      f"decoder layer at a time on {q.device}",
             "host memory (peak)": gib(_memory(ctx))}
 
 
-STAGE = Stage("quantize", 1, applies=lambda cfg: cfg.quantize.format != "none",
+STAGE = Stage("quantize", 2, applies=lambda cfg: cfg.quantize.format != "none",
               settings=_settings, inputs=("source",),
               tools=("nvidia-modelopt", "torch", "transformers"), run=_run, estimate=_estimate,
-              memory=_memory, memory_hint="quantize on a machine with more memory (modelopt "
-                                          "holds the model in float32)",
-              preflight=_preflight, link="quantized", hf_checkpoint=True)
+              memory=_memory, memory_hint=_memory_hint, preflight=_preflight,
+              link="quantized", hf_checkpoint=True, resumable=True)

@@ -1,5 +1,6 @@
-"""TensorRT-LLM 1.2 engines: the ``trtllm-build`` command, the GPU memory its limits imply, and
-reading an engine's (or checkpoint's) ``config.json`` back.
+"""TensorRT-LLM 1.2 engines: the ``trtllm-build`` command, the GPU memory its limits imply (by the
+sizing model of :mod:`moepipe.sizing`), and reading an engine's (or checkpoint's)
+``config.json`` back.
 
 Everything here runs anywhere; only :mod:`moepipe.stages.engine` runs ``trtllm-build``.
 Sources of the flags and rules: ``tensorrt_llm/commands/build.py``, ``builder.py``
@@ -8,13 +9,15 @@ Sources of the flags and rules: ``tensorrt_llm/commands/build.py``, ``builder.py
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moepipe.arch.mla import DeepseekSpec
+from moepipe.checkpoints.dtypes import itemsize
 from moepipe.errors import CheckpointError, ConfigError, EnvironmentMissing, UnsupportedError
 from moepipe.mapping import Mapping, check_mapping, stage_layers
+from moepipe.sizing.gpu import kv_bytes_per_token, kv_itemsize, step_reserve
+from moepipe.sizing.shapes import shape_of
+from moepipe.sizing.weights import Sharding, stage_weight_bytes
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
 from moepipe.utils.fs import read_json
 
@@ -27,16 +30,6 @@ TRTLLM_BUILD = "trtllm-build"
 # moepipe.plugins.trtllm_build, a console script of the moepipe package)
 MOEPIPE_TRTLLM_BUILD = "moepipe-trtllm-build"
 GIB = 1 << 30
-MIB = 1 << 20
-# Activation bytes per element: the dtype the engine computes in.
-ACTIVATION_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-# aiconfigurator's TensorRT-LLM coefficients for MoE families, keyed by tp (planner facts A1).
-ACTIVATION_COEFF = {1: 22, 2: 13, 4: 10, 8: 10}
-ACTIVATION_MIN = 70 * MIB
-# aiconfigurator's NCCL buffers by tp and fixed "other" memory (CUDA context, cuBLAS, runtime).
-NCCL_BYTES = {1: 0, 2: 342 * MIB, 4: 392 * MIB, 8: 392 * MIB}
-OTHER_BYTES = 3584 * MIB
-LOG_TAIL_LINES = 30
 
 
 def _flag(on: bool) -> str:
@@ -90,117 +83,38 @@ def trtllm_build_command(cfg: MoepipeConfig, checkpoint_dir: Path, output_dir: P
 # --- memory -----------------------------------------------------------------------------------
 
 
-def _by_tp(table: dict[int, int], tp: int) -> int:
-    """``table`` at the largest key <= tp (aiconfigurator indexes by min(tp, 8))."""
-    return table[max(k for k in table if k <= tp)]
-
-
-def _layer_params(spec: ModelSpec, tp: int, kv_heads: int, experts: int, expert_inter: int
-                  ) -> int:
-    """Parameters of one decoder layer held by one rank: attention split ``tp`` ways with
-    ``kv_heads`` KV heads, ``experts`` experts of width ``expert_inter``; norms and the router
-    (all E rows) replicated; the shared expert split by the full tp."""
-    h, hd = spec.hidden_size, spec.head_dim
-    q = spec.attn_width // tp
-    params = 2 * h * q + 2 * h * kv_heads * hd  # q and o; k and v
-    if spec.attention_bias:
-        params += q + 2 * kv_heads * hd
-    params += 2 * h + spec.num_experts * h  # input/post layernorms, router
-    params += experts * 3 * h * expert_inter
-    if spec.shared_expert_intermediate_size:
-        params += 3 * h * spec.shared_expert_intermediate_size // tp + h  # + its gate [1, H]
-    return params
-
-
-def model_params(spec: ModelSpec) -> int:
-    """Parameters of the whole model (as counted in its Hugging Face checkpoint); q/k norms of
-    a few hundred elements per layer are left out here and per rank alike."""
-    outer = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    layer = _layer_params(spec, 1, spec.num_kv_heads, spec.num_experts,
-                          spec.expert_intermediate_size)
-    return spec.num_layers * layer + outer + spec.hidden_size
-
-
-def rank_params(spec: ModelSpec, mapping: Mapping, stage: int) -> int:
-    """Parameters one rank of pipeline stage ``stage`` holds (TensorRT-LLM's sharding: q/o by
-    tp, KV heads by tp and duplicated when fewer than tp, experts by moe_ep and their width by
-    moe_tp; the embedding, replicated, on the first stage; lm_head, vocab padded to a multiple
-    of tp and split, and the final norm on the last stage)."""
-    layers = len(stage_layers(spec.num_layers, mapping.pp, stage))
-    layer = _layer_params(spec, mapping.tp, math.ceil(spec.num_kv_heads / mapping.tp),
-                          spec.num_experts // mapping.moe_ep,
-                          spec.expert_intermediate_size // mapping.moe_tp)
-    params = layers * layer
-    if stage == 0:
-        params += spec.vocab_size * spec.hidden_size
-    if stage == mapping.pp - 1:
-        params += math.ceil(spec.vocab_size / mapping.tp) * spec.hidden_size + spec.hidden_size
-    return params
-
-
-def _activation_dtype(cfg: MoepipeConfig, spec: ModelSpec) -> str:
-    return spec.torch_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
-
-
-def _kv_width(spec: ModelSpec, kv_heads: int) -> int:
-    """KV-cache elements per token and layer on one rank: K and V of the rank's KV heads, or
-    MLA's one latent (kv_lora_rank + qk_rope_head_dim, one head, replicated over tp)."""
-    if isinstance(spec, DeepseekSpec):
-        return spec.kv_lora_rank + spec.qk_rope_head_dim
-    return 2 * kv_heads * spec.head_dim
-
-
-def engine_memory(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping, weight_bytes: int,
-                  kv_dtype_bytes: int) -> dict[str, int]:
+def engine_memory(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping) -> dict[str, int]:
     """Bytes one GPU needs for the engine limits of ``cfg.build``, on the busiest pipeline
     stage: ``weights``, ``kv_cache``, ``activations``, ``moe_workspace``, ``runtime`` and
-    ``total`` (their sum).
+    ``total`` (their sum), from the one sizing model (:mod:`moepipe.sizing`):
 
-    ``weight_bytes`` is the tensor bytes of the whole, unsharded model (``moepipe inspect``'s
-    bytes_total; for a quantized model, of the quantized checkpoint); ``kv_dtype_bytes`` the
-    bytes of one KV-cache element (2 for a 16-bit cache, 1 for FP8/INT8). Formulas (T = max
-    tokens per step = min(max_num_tokens, max_batch_size x max_seq_len), A = num_heads x
-    head_dim, tp/pp/moe_tp/moe_ep the mapping; planner-deepseek-facts.md A1):
-
-    * weights = rank_params / model_params x weight_bytes - each rank's share of the
-      parameters (:func:`rank_params`) at the model's mean bytes per parameter;
-    * kv_cache = 2 (K and V) x layers of the stage x ceil(kv_heads / tp) x head_dim x tokens x
-      kv_dtype_bytes (MLA: layers x (kv_lora_rank + qk_rope_head_dim) x tokens x bytes),
-      tokens = max_batch_size x (max_input_len + max_beam_width x (max_seq_len -
-      max_input_len)): every request at full length, generated tokens per beam (TensorRT-LLM's
-      per-rank KV size: local layers, KV heads duplicated when fewer than tp);
-    * activations = max(act_bytes x T x A x c(tp), 70 MiB), c = 22, 13, 10, 10 for tp = 1, 2,
-      4, 8+ (aiconfigurator's TensorRT-LLM fit for MoE models; TensorRT sizes the activation
-      workspace at build time from max_num_tokens; pp does not shrink it), act_bytes the bytes
-      of the model dtype;
-    * moe_workspace = T x A x num_experts x top_k / moe_ep / 128 x 4 (aiconfigurator's MoE
-      workspace, attention DP = 1 on the engine path);
-    * runtime = NCCL buffers (0, 342, 392, 392 MiB for tp = 1, 2, 4, 8+) + 3.5 GiB for the CUDA
-      context, cuBLAS and the runtime (aiconfigurator's nccl_mem and other_mem).
+    * weights: the stage's tensors in TensorRT-LLM's checkpoint layout as one rank holds them
+      (:func:`moepipe.sizing.weights.stage_weight_bytes`: DeepSeek's dense first layers and
+      MLA projections as they are, routers in float32, GEMM weights in ``quantize.format``);
+    * kv_cache: the stage's KV bytes per token (:func:`moepipe.sizing.gpu.kv_bytes_per_token`,
+      in the model dtype or the quantized cache's) x max_batch_size x (max_input_len +
+      max_beam_width x (max_seq_len - max_input_len)): every request at full length,
+      generated tokens per beam;
+    * activations, moe_workspace, runtime: :func:`moepipe.sizing.gpu.step_reserve` with
+      T = min(max_num_tokens, max_batch_size x max_seq_len) tokens per step in the model
+      dtype (attention DP = 1 on the engine path).
     """
     check_mapping(spec, mapping)
-    b = cfg.build
+    b, q = cfg.build, cfg.quantize
+    dtype = spec.torch_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
+    shape = shape_of(spec)
+    s = Sharding(mapping.tp, mapping.pp, mapping.moe_tp, mapping.moe_ep)
     tokens_per_step = min(b.max_num_tokens, b.max_batch_size * b.max_seq_len)
     kv_tokens = b.max_batch_size * (b.max_input_len
                                     + b.max_beam_width * (b.max_seq_len - b.max_input_len))
-    kv_heads = math.ceil(spec.num_kv_heads / mapping.tp)
-    total_params = model_params(spec)
-    act_bytes = ACTIVATION_BYTES[_activation_dtype(cfg, spec)]
-    activations = max(act_bytes * tokens_per_step * spec.attn_width
-                      * _by_tp(ACTIVATION_COEFF, mapping.tp), ACTIVATION_MIN)
-    moe_workspace = (tokens_per_step * spec.attn_width * spec.num_experts * spec.top_k * 4
-                     // (mapping.moe_ep * 128))
-    runtime = _by_tp(NCCL_BYTES, mapping.tp) + OTHER_BYTES
+    reserve = step_reserve(shape, s, tokens_per_step, itemsize(dtype))
+    kv_bytes = kv_itemsize(q.kv_cache, dtype)
     busiest: dict[str, int] = {}
     for stage in range(mapping.pp):
         layers = len(stage_layers(spec.num_layers, mapping.pp, stage))
-        usage = {
-            "weights": rank_params(spec, mapping, stage) * weight_bytes // total_params,
-            "kv_cache": layers * _kv_width(spec, kv_heads) * kv_tokens * kv_dtype_bytes,
-            "activations": activations,
-            "moe_workspace": moe_workspace,
-            "runtime": runtime,
-        }
+        usage = {"weights": stage_weight_bytes(shape, s, stage, q.format, dtype),
+                 "kv_cache": kv_bytes_per_token(shape, s, layers, kv_bytes) * kv_tokens,
+                 **reserve}
         usage["total"] = sum(usage.values())
         if not busiest or usage["total"] > busiest["total"]:
             busiest = usage
@@ -222,8 +136,8 @@ def _check_format(cfg: MoepipeConfig, spec: ModelSpec) -> None:
             "use fp8 or int4_awq for this model on GPUs (int8_sq is served by the cpu target)")
 
 
-def check_engine_limits(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping,
-                        weight_bytes: int, kv_dtype_bytes: int) -> dict[str, int]:
+def check_engine_limits(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping
+                        ) -> dict[str, int]:
     """Refuse engine limits that cannot work, with the numbers and what to change: limits that
     contradict each other or the model, options TensorRT-LLM rejects together, and limits whose
     memory (:func:`engine_memory`) exceeds ``build.gpu_memory_gb``. Returns the estimate."""
@@ -258,7 +172,7 @@ def check_engine_limits(cfg: MoepipeConfig, spec: ModelSpec, mapping: Mapping,
                           "paged context attention, but build.use_paged_context_fmha is false",
                           "set build.use_paged_context_fmha: true, or turn "
                           f"deploy.trtllm.{' and '.join(needs_paged_fmha)} off")
-    usage = engine_memory(cfg, spec, mapping, weight_bytes, kv_dtype_bytes)
+    usage = engine_memory(cfg, spec, mapping)
     if usage["total"] > b.gpu_memory_gb * GIB:
         parts = " + ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in usage.items()
                            if k != "total")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import stat
@@ -45,11 +46,17 @@ def check_output(path: Path, overwrite: bool) -> None:
 @contextlib.contextmanager
 def atomic_dir(path: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder next to ``path``; on success it replaces ``path`` atomically,
-    on any error (or Ctrl-C) it is removed and ``path`` is left as it was."""
+    on any error (or a signal: :mod:`moepipe.utils.interrupt`) it is removed and ``path`` is
+    left as it was. Temporary folders that killed runs (SIGKILL, a power cut) left next to
+    ``path`` are removed first."""
     path = Path(path)
     check_output(path, overwrite)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    remove_stale_partials(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_partial_prefix(path)}{os.getpid()}-",
+                                dir=path.parent))
+    owner = os.open(tmp, os.O_RDONLY)
     try:
+        fcntl.flock(owner, fcntl.LOCK_EX)  # held while the folder is written: not stale
         yield tmp
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
@@ -61,6 +68,52 @@ def atomic_dir(path: Path, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(owner)
+
+
+def _partial_prefix(path: Path) -> str:
+    return f".{path.name}.partial-"
+
+
+def remove_stale_partials(path: Path) -> list[Path]:
+    """Remove the temporary folders of :func:`atomic_dir` runs for ``path`` that were killed:
+    those whose process (named in the folder's name) is gone and whose lock nobody holds.
+    A folder of a run in progress - this machine's or, on a shared filesystem, another's -
+    is left alone. Returns the folders removed."""
+    prefix = _partial_prefix(path)
+    removed: list[Path] = []
+    try:
+        candidates = [p for p in path.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for folder in candidates:
+        pid = folder.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and _running(int(pid)):
+            continue
+        try:
+            fd = os.open(folder, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its writer holds it
+            continue
+        finally:
+            os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def write_text_atomic(path: Path, text: str) -> None:

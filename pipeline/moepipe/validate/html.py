@@ -49,10 +49,22 @@ def _case_rows(job: dict) -> str:
             + "".join(rows) + "</table>")
 
 
+def _cost_cells(p: dict) -> str:
+    c = p.get("cost")
+    if c is None:
+        return ""
+    fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+    return (f"<td>{fmt(c['usd_per_million_output_tokens'])}</td>"
+            f"<td>{fmt(c['usd_per_million_tokens'])}</td>")
+
+
 def _point_table(points: list[dict]) -> str:
+    priced = any("cost" in p for p in points)
     head = ("<tr><th>load</th><th>req/s</th><th>out tok/s</th><th>goodput req/s</th>"
             "<th>TTFT p50/p99 ms</th><th>ITL p50/p99 ms</th><th>latency p50/p90/p99/p99.9 ms"
-            "</th><th>max ms</th><th>errors</th><th>client CPU</th></tr>")
+            "</th><th>max ms</th><th>errors</th><th>client CPU</th>"
+            + ("<th>US$ / M output tokens</th><th>US$ / M tokens (in + out)</th>" if priced
+               else "") + "</tr>")
     rows = []
     for p in points:
         s = p["summary"]
@@ -65,7 +77,7 @@ def _point_table(points: list[dict]) -> str:
             f"</td><td>{g(lat, 'p50')} / {g(lat, 'p90')} / {g(lat, 'p99')} / {g(lat, 'p99_9')}"
             f"</td><td>{g(lat, 'max')}</td><td>{s['error_rate']:.1%} ({s['rejected']} rejected,"
             f" {s['failed']} failed, {s['timeout']} timed out)</td>"
-            f"<td>{s['client_cpu_max']:.0%}</td></tr>")
+            f"<td>{s['client_cpu_max']:.0%}</td>{_cost_cells(p)}</tr>")
     return "<table>" + head + "".join(rows) + "</table>"
 
 
@@ -151,7 +163,48 @@ def _recovery(data: dict) -> list[str]:
     return out
 
 
-PLOTS = {"perf": _perf, "burst": _burst, "balance": _balance, "recovery": _recovery}
+def _soak(data: dict) -> list[str]:
+    out = []
+    rows = data.get("timeline", [])
+    if rows:
+        out.append(svg.lines("soak-latency", "soak: latency over the run", "seconds", "ms",
+                             {"p99": [(r["t"], r["p99_ms"]) for r in rows],
+                              "p50": [(r["t"], r["p50_ms"]) for r in rows]}, markers=False))
+        out.append(svg.lines("soak-outcomes", "soak: requests per time bin", "seconds",
+                             "requests", {k: [(r["t"], r[k]) for r in rows]
+                                          for k in ("ok", "rejected", "failed", "timeout",
+                                                    "not_sent")}, markers=False))
+    for key, name, unit in (("memory", "soak-memory", "RSS of the deployment (MiB)"),
+                            ("kv_use", "soak-kv", "KV use (slots or blocks)")):
+        d = data.get(key)
+        if not d or not d.get("samples"):
+            continue
+        pts = [tuple(p) for p in d["samples"]]
+        line = _fit(pts, data["window_s"])
+        series = {"measured": pts,
+                  "trend after warm-up": [(t, None if line is None or t < data["window_s"]
+                                           else line[0] * t + line[1]) for t, _ in pts]}
+        if key == "kv_use" and data.get("kv_total"):
+            series["capacity"] = [(t, data["kv_total"]) for t, _ in pts]
+        out.append(svg.lines(name, f"soak: {unit.split(' (')[0]}, "
+                             f"{d['slope_per_hour']:+.3g} {d['unit']}/h", "seconds", unit,
+                             series, markers=False))
+    return out
+
+
+def _fit(pts: list[tuple[float, float]], after: float) -> tuple[float, float] | None:
+    """(slope, intercept) of the least-squares line through the points after ``after``."""
+    import numpy as np
+
+    use = np.array([p for p in pts if p[0] >= after], dtype=float)
+    if len(use) < 2 or np.ptp(use[:, 0]) <= 0:
+        return None
+    slope, icept = np.polyfit(use[:, 0], use[:, 1], 1)
+    return float(slope), float(icept)
+
+
+PLOTS = {"perf": _perf, "burst": _burst, "balance": _balance, "recovery": _recovery,
+         "soak": _soak}
 
 
 def render(report: dict) -> str:

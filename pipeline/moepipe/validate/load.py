@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import random
 import resource
 import signal
@@ -35,16 +36,17 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from moepipe.serving.core.errors import BUSY_TEXTS
+from moepipe.utils.progress import IDLE, Task, current
 from moepipe.validate import http1
 
 # Request outcomes. "rejected": the server refused it as busy (bounded queue); "failed": any
 # other server or transport error; "timeout": no final response within the per-request limit;
 # "not_sent": the client's own in-flight limit (open loop only).
 OUTCOMES = ("ok", "rejected", "failed", "timeout", "not_sent")
-# Triton's queue policy (core src/scheduler_utils.cc, src/dynamic_batch_scheduler.cc; the cpu
-# engine answers the same), TensorRT-LLM's executor (executorImpl.cpp enqueueRequests).
-BUSY_MARKERS = ("exceeds maximum queue size", "request timeout expired",
-                "has been reached, please try again later", "server is busy", "busy:",
+# Triton's queue policy and TensorRT-LLM's executor (what every moepipe target answers:
+# moepipe.serving.core.errors), and other servers' words for the same.
+BUSY_MARKERS = (*(text.lower() for text in BUSY_TEXTS), "server is busy", "busy:",
                 "resource_exhausted")
 
 
@@ -58,6 +60,7 @@ class Sample:
     first: float | None = None  # first response carrying tokens
     done: float | None = None  # final response, error or timeout
     tokens: int = 0  # the server's num_output_tokens, summed over the streamed responses
+    input_tokens: int = 0  # the server's num_input_tokens (the prompt as it was tokenized)
     responses: int = 0
     error: str = ""
     # HTTP: when the request's last byte was handed to the socket (connected, written); a
@@ -131,13 +134,14 @@ def _request(pb, model: str, rid: str, prompt: Prompt):
     spec = [("text_input", "BYTES", _bytes_tensor([prompt.text.encode()])),
             ("max_tokens", "INT32", np.array([prompt.max_tokens], np.int32).tobytes()),
             ("stream", "BOOL", b"\x01"),
-            ("return_num_output_tokens", "BOOL", b"\x01")]
+            ("return_num_output_tokens", "BOOL", b"\x01"),
+            ("return_num_input_tokens", "BOOL", b"\x01")]
     for name, dtype, raw in spec:
         t = req.inputs.add()
         t.name, t.datatype = name, dtype
         t.shape.extend([1, 1])
         req.raw_input_contents.append(raw)
-    for name in ("text_output", "num_output_tokens"):
+    for name in ("text_output", "num_output_tokens", "num_input_tokens"):
         req.outputs.add().name = name
     # Decoupled models may end with an empty response that only carries the final flag.
     req.parameters["triton_enable_empty_final_response"].bool_param = True
@@ -208,6 +212,8 @@ class _Client:
                     # streaming: each response counts the ids it carries (TensorRT-LLM's
                     # contract), so the request's tokens are the sum
                     s.tokens += int(np.frombuffer(raw, np.int32)[0])
+                elif out.name == "num_input_tokens" and len(raw) >= 4:
+                    s.input_tokens = max(s.input_tokens, int(np.frombuffer(raw, np.int32)[0]))
             final = r.parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 s.status, s.done = "ok", now
@@ -235,7 +241,8 @@ class _HttpClient:
     async def send(self, prompt: Prompt) -> Sample:
         s = Sample(prompt.kind, self.now())
         body = json.dumps({"text_input": prompt.text, "max_tokens": prompt.max_tokens,
-                           "stream": True, "return_num_output_tokens": True}).encode()
+                           "stream": True, "return_num_output_tokens": True,
+                           "return_num_input_tokens": True}).encode()
         try:
             await asyncio.wait_for(self._exchange(body, s), self.timeout_s)
         except asyncio.TimeoutError:
@@ -285,6 +292,10 @@ class _HttpClient:
             n = n[0] if isinstance(n, list) else n
             if n is not None:  # per response when streaming, as over gRPC
                 s.tokens += int(n)
+            n = event.get("num_input_tokens")
+            n = n[0] if isinstance(n, list) else n
+            if n is not None:
+                s.input_tokens = max(s.input_tokens, int(n))
         return ""
 
     async def close(self) -> None:
@@ -304,7 +315,7 @@ def _stopped(stop: threading.Event | None) -> bool:
 
 
 async def _closed(plan: LoadPlan, client: _Client, deadline: float,
-                  stop: threading.Event | None = None) -> list[Sample]:
+                  stop: threading.Event | None = None, meter: Task = IDLE) -> list[Sample]:
     samples: list[Sample] = []
     prompts = _prompt_cycle(plan.prompts, plan.seed)
     budget = itertools.count()
@@ -313,13 +324,14 @@ async def _closed(plan: LoadPlan, client: _Client, deadline: float,
         while client.now() < deadline and not _stopped(stop) and \
                 next(budget) < plan.max_requests:
             samples.append(await client.send(next(prompts)))
+            meter.advance()
 
     await asyncio.gather(*(user() for _ in range(plan.concurrency or 1)))
     return samples
 
 
 async def _open(plan: LoadPlan, client: _Client, deadline: float,
-                stop: threading.Event | None = None) -> list[Sample]:
+                stop: threading.Event | None = None, meter: Task = IDLE) -> list[Sample]:
     rng = random.Random(plan.seed)
     prompts = _prompt_cycle(plan.prompts, plan.seed + 1)
     samples: list[Sample] = []
@@ -328,6 +340,7 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float,
     def finished(task: asyncio.Task) -> None:
         tasks.discard(task)
         samples.append(task.result())
+        meter.advance()
 
     at, sent, start = 0.0, 0, 0.0
     for seconds, rate in plan.schedule or []:
@@ -345,6 +358,7 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float,
             if len(tasks) >= plan.max_inflight:
                 samples.append(Sample(prompt.kind, client.now(), "not_sent", done=client.now(),
                                       error=f"client in-flight limit {plan.max_inflight}"))
+                meter.advance()
                 continue
             task = asyncio.create_task(client.send(prompt))
             tasks.add(task)
@@ -355,17 +369,18 @@ async def _open(plan: LoadPlan, client: _Client, deadline: float,
     return samples
 
 
-def _run_one(plan: LoadPlan, t0: float,
-             stop: threading.Event | None = None) -> tuple[list[Sample], float, float]:
-    """Run a plan in this process; returns samples, CPU seconds and wall seconds."""
+def _run_one(plan: LoadPlan, t0: float, stop: threading.Event | None = None,
+             meter: Task = IDLE) -> tuple[list[Sample], float, float]:
+    """Run a plan in this process (counting each request done in ``meter``); returns
+    samples, CPU seconds and wall seconds."""
     async def main():
         await asyncio.sleep(max(0.0, t0 - time.monotonic()))
         kind = _HttpClient if plan.protocol == "http" else _Client
         client: _Client | _HttpClient = kind(plan.url, plan.model, plan.timeout_s, t0)
         try:
             if plan.concurrency is not None:
-                return await _closed(plan, client, plan.duration_s, stop)
-            return await _open(plan, client, plan.duration_s, stop)
+                return await _closed(plan, client, plan.duration_s, stop, meter)
+            return await _open(plan, client, plan.duration_s, stop, meter)
         finally:
             await client.close()
 
@@ -406,22 +421,49 @@ def run_load(plan: LoadPlan, stop: threading.Event | None = None) -> LoadResult:
     if plan.arrival not in ("poisson", "constant"):
         raise ValueError(f"unknown arrival {plan.arrival!r} (poisson or constant)")
     n = max(1, min(plan.processes, plan.concurrency or plan.processes))
+    # the requests count in the caller's progress task (a validation job's): planned now,
+    # done as they end; what the deadline left unsent is taken back from the plan
+    meter = current()
+    meter.plan(plan.max_requests)
     start = time.monotonic()
     if n == 1:
-        samples, cpu, wall = _run_one(plan, start, stop)
+        samples, cpu, wall = _run_one(plan, start, stop, meter)
+        meter.plan(len(samples) - plan.max_requests)
         return LoadResult(samples, time.monotonic() - start, [cpu], [wall], start)
     # Worker processes are fresh interpreters fed their part of the plan as JSON: nothing of
     # the caller's state (threads, gRPC channels, __main__) is forked or re-imported.
     t0 = start + 2.0 + 0.5 * n  # every process starts on the same clock (CLOCK_MONOTONIC)
-    procs = [subprocess.Popen([sys.executable, "-m", "moepipe.validate.load"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for _ in range(n)]
-    for i, proc in enumerate(procs):
+    procs: list[subprocess.Popen] = []
+    try:
+        parts = _run_workers(plan, n, t0, procs)
+    except BaseException:
+        # A signal (moepipe.utils.interrupt) or a failed worker: the others stop sending now,
+        # not when their plan ends; none outlives the caller.
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+        raise
+    samples = sorted((Sample(**s) for p in parts for s in p["samples"]), key=lambda s: s.sent)
+    meter.advance(len(samples))  # the processes report once, at their end
+    meter.plan(len(samples) - plan.max_requests)
+    return LoadResult(samples, time.monotonic() - t0, [p["cpu"] for p in parts],
+                      [p["wall"] for p in parts], t0)
+
+
+def _run_workers(plan: LoadPlan, n: int, t0: float, procs: list[subprocess.Popen]) -> list:
+    """Start ``n`` worker processes (appended to ``procs`` as they start) and collect their
+    reports."""
+    for i in range(n):
+        proc = subprocess.Popen([sys.executable, "-m", "moepipe.validate.load"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
         if proc.stdin is None:
             raise RuntimeError("a load process has no stdin")
         # one line, flushed: the worker starts on it; communicate() below closes stdin (a
         # stdin closed here made communicate() fail: "I/O operation on closed file")
-        proc.stdin.write(json.dumps({"plan": asdict(_share(plan, i, n)), "t0": t0}) + "\n")
+        proc.stdin.write(json.dumps({"plan": asdict(_share(plan, i, n)), "t0": t0,
+                                     "parent": os.getpid()}) + "\n")
         proc.stdin.flush()
     limit = plan.duration_s + plan.timeout_s + 60
     parts = []
@@ -429,14 +471,25 @@ def run_load(plan: LoadPlan, stop: threading.Event | None = None) -> LoadResult:
         try:
             out, _ = proc.communicate(timeout=max(1.0, t0 + limit - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
             raise RuntimeError(f"a load process did not finish within {limit:.0f}s") from None
         if proc.returncode != 0:
             raise RuntimeError(f"a load process failed (exit {proc.returncode})")
         parts.append(json.loads(out))
-    samples = sorted((Sample(**s) for p in parts for s in p["samples"]), key=lambda s: s.sent)
-    return LoadResult(samples, time.monotonic() - t0, [p["cpu"] for p in parts],
-                      [p["wall"] for p in parts], t0)
+    return parts
+
+
+def _die_with(parent: int) -> None:
+    """End this worker when ``parent`` ends, however it ends (Linux's parent-death signal):
+    a load generator must not outlive the run that started it."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the parent's clean-up still kills it
+        pass
+    if os.getppid() != parent:  # it ended before the signal was armed
+        os._exit(1)
 
 
 def _worker() -> None:
@@ -444,10 +497,14 @@ def _worker() -> None:
     t0), print samples as JSON.
     SIGTERM ends the sending early, as ``run_load``'s ``stop`` does (in-flight requests drain,
     then the samples are printed): a caller can run a worker alongside another client for as
-    long as that one runs."""
+    long as that one runs. Ctrl-C in a terminal reaches the worker too: it leaves stopping
+    to its parent (which kills it), and it dies with its parent."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     job = json.loads(sys.stdin.readline())
+    if job.get("parent"):
+        _die_with(job["parent"])
     raw = job["plan"]
     raw["prompts"] = [Prompt(**p) for p in raw["prompts"]]
     if raw["schedule"] is not None:

@@ -5,7 +5,16 @@
 from __future__ import annotations
 
 from moepipe.validate.base import Job
-from moepipe.validate.jobs import accuracy, balance, burst, long_tail, perf, recovery, smoke
+from moepipe.validate.jobs import (
+    accuracy,
+    balance,
+    burst,
+    long_tail,
+    perf,
+    recovery,
+    smoke,
+    soak,
+)
 
 JOBS: dict[str, Job] = {
     "smoke": smoke.smoke,
@@ -15,4 +24,5 @@ JOBS: dict[str, Job] = {
     "long-tail": long_tail.long_tail,
     "balance": balance.balance,
     "recovery": recovery.recovery,
+    "soak": soak.soak,
 }

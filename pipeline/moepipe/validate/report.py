@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moepipe.utils.fs import write_text_atomic
+from moepipe.utils.progress import current
 from moepipe.validate.html import render
 
 
@@ -34,6 +36,7 @@ class JobResult:
 
     def run(self, name: str, fn: Callable[[], dict | None]) -> Case:
         """Run one check: returning details passes, CheckFailed fails, other errors err."""
+        current().say(name)  # which check of the job runs, beside its progress
         start = time.perf_counter()
         try:
             details = fn() or {}
@@ -64,6 +67,25 @@ def check(condition: object, message: str) -> None:
         raise CheckFailed(message)
 
 
+# What XML 1.0 cannot hold, even escaped: C0 controls but tab, newline and carriage return;
+# lone surrogates; U+FFFE and U+FFFF (https://www.w3.org/TR/xml/#charsets).
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def xml_text(text: str) -> str:
+    """``text`` as XML can hold it: characters XML 1.0 forbids (a server that answers binary
+    garbage puts NULs into messages) are written as ``\\xNN`` / ``\\uNNNN``."""
+    return _NOT_XML.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` for a one-line message: control characters escaped, at most ``limit``
+    characters."""
+    text = re.sub(r"[\x00-\x1f\x7f\ud800-\udfff\ufffe\uffff]",
+                  lambda m: repr(m.group())[1:-1], text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 @dataclass
 class Report:
     target: str
@@ -73,7 +95,13 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return all(j.passed for j in self.jobs)
+        """Every check passed or was skipped - and at least one passed: a run in which
+        nothing was checked (every check skipped, no job) does not pass a CI gate."""
+        return all(j.passed for j in self.jobs) and self.checked
+
+    @property
+    def checked(self) -> bool:
+        return any(c.status == "passed" for j in self.jobs for c in j.cases)
 
     def to_dict(self) -> dict:
         return {"passed": self.passed, "target": self.target, "endpoint": self.endpoint,
@@ -91,19 +119,21 @@ class Report:
                       "errors": sum(c.status == "error" for c in job.cases),
                       "skipped": sum(c.status == "skipped" for c in job.cases)}
             suite = ET.SubElement(root, "testsuite", {
-                "name": job.job, "time": f"{sum(c.seconds for c in job.cases):.3f}",
+                "name": xml_text(job.job), "time": f"{sum(c.seconds for c in job.cases):.3f}",
                 **{k: str(v) for k, v in counts.items()}})
             for k, v in counts.items():
                 totals[k] += v
             for c in job.cases:
-                tc = ET.SubElement(suite, "testcase", classname=f"moepipe.validate.{job.job}",
-                                   name=c.name, time=f"{c.seconds:.3f}")
+                tc = ET.SubElement(suite, "testcase",
+                                   classname=xml_text(f"moepipe.validate.{job.job}"),
+                                   name=xml_text(c.name), time=f"{c.seconds:.3f}")
+                message = xml_text(c.message)
                 if c.status == "failed":
-                    ET.SubElement(tc, "failure", message=c.message).text = c.message
+                    ET.SubElement(tc, "failure", message=message).text = message
                 elif c.status == "error":
-                    ET.SubElement(tc, "error", message=c.message).text = c.message
+                    ET.SubElement(tc, "error", message=message).text = message
                 elif c.status == "skipped":
-                    ET.SubElement(tc, "skipped", message=c.message)
+                    ET.SubElement(tc, "skipped", message=message)
         for k, v in totals.items():
             root.set(k, str(v))
         ET.indent(root)
@@ -117,5 +147,5 @@ class Report:
         data = self.to_dict()
         write_text_atomic(js, json.dumps(data, indent=2) + "\n")
         write_text_atomic(xml, self.junit())
-        write_text_atomic(page, render(data))
+        write_text_atomic(page, xml_text(render(data)))  # HTML holds what XML can
         return js, xml, page

@@ -17,7 +17,6 @@ HOST="127.0.0.1"
 HTTP_PORT=8000
 GRPC_PORT=8001
 METRICS_PORT=8002
-EXIT_TIMEOUT_SECS=30
 TRITONSERVER="tritonserver"
 CONTAINER="nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3"
 
@@ -91,20 +90,21 @@ command -v "$TRITONSERVER" >/dev/null 2>&1 || die "tritonserver not found: $TRIT
 [ -d "$MODEL_REPO" ] || die "no model repository at $MODEL_REPO (hint: run \`moepipe deploy\` again)"
 
 # --- one rank per GPU, ranks joined by ':' ------------------------------------------------
-# Every rank gets the same address and ports, as TensorRT-LLM's launch_triton_server.py does:
-# worker ranks never open them (they stay inside the tensorrt_llm model's initialisation until
-# rank 0 shuts down). Each rank needs its own Python-backend shared-memory prefix.
+# Every rank gets the deployment's flags (moepipe.deploy.tritonserver.ServerCommand), as
+# TensorRT-LLM's launch_triton_server.py does: worker ranks never open their endpoints (they
+# stay inside the tensorrt_llm model's initialisation until rank 0 shuts down). Each rank needs
+# its own Python-backend shared-memory prefix.
 set --
 rank=0
 while [ "$rank" -lt "$WORLD_SIZE" ]; do
     [ "$rank" -eq 0 ] || set -- "$@" :
-    set -- "$@" -n 1 "$TRITONSERVER" --model-repository="$MODEL_REPO" \
-        --disable-auto-complete-config \
-        --backend-config=python,shm-region-prefix-name=prefix"$rank"_ \
-        --http-address="$HOST" --http-port="$HTTP_PORT" \
-        --grpc-address="$HOST" --grpc-port="$GRPC_PORT" \
-        --metrics-address="$HOST" --metrics-port="$METRICS_PORT" \
-        --exit-timeout-secs="$EXIT_TIMEOUT_SECS"
+    set -- "$@" -n 1 "$TRITONSERVER" \
+        --model-repository=<DEPLOY>/model_repo \
+        --disable-auto-complete-config --http-address=127.0.0.1 --http-port=8000 \
+        --grpc-address=127.0.0.1 --grpc-port=8001 --metrics-address=127.0.0.1 \
+        --metrics-port=8002 --allow-metrics=true --metrics-config=summary_latencies=true \
+        --metrics-config=histogram_latencies=true --exit-timeout-secs=30 --log-verbose=0 \
+        --backend-config=python,shm-region-prefix-name=prefix"$rank"_
     [ "$rank" -eq 0 ] || set -- "$@" --model-control-mode=explicit --load-model=tensorrt_llm
     rank=$((rank + 1))
 done

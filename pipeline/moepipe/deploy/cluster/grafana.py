@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moepipe.deploy.metric_names import EXPORTED, metrics_in
+from moepipe.deploy.metric_names import exported, metrics_in
+from moepipe.targets import get_target
 
 # `$datasource`, not `${datasource}`: nothing that moepipe renders may keep a `${`.
 DS = {"type": "prometheus", "uid": "$datasource"}
@@ -23,7 +24,7 @@ SEL = '{model=~"$model"}'
 @dataclass(frozen=True)
 class Panel:
     title: str
-    kind: str  # timeseries | heatmap | stat
+    kind: str  # timeseries | heatmap | stat | bargauge
     queries: tuple[tuple[str, str], ...]  # (expr, legend)
     unit: str = "short"
     width: int = 12
@@ -31,13 +32,18 @@ class Panel:
     options: dict[str, Any] = field(default_factory=dict)
     repeat: str | None = None
     fallback: bool = False  # only with deploy.fallback (the BLS model exports it then)
+    experts: str = ""  # reads expert counts of this kind (Target.expert_counts)
 
 
 def _rate(metric: str, by: str = "model") -> str:
     return f"sum by ({by}) (rate({metric}{SEL}{RI}))"
 
 
-EXPERT_RATE = f"sum by (layer, expert) (rate(moepipe_expert_tokens_total{{layer=~\"$layer\"}}{RI}))"
+EXPERT_RATE = ("sum by (layer, expert) (rate(moepipe_expert_tokens_total"
+               f"{{window=\"\",layer=~\"$layer\"}}{RI}))")
+# TensorRT-LLM's window (trtllm-pytorch): constant counts, read as they are.
+EXPERT_WINDOW = ("sum by (layer, expert) (moepipe_expert_tokens_total"
+                 "{window!=\"\",layer=~\"$layer\"})")
 PANELS = (
     Panel("Request rate", "timeseries",
           ((_rate("nv_inference_request_success"), "{{model}} ok"),
@@ -81,21 +87,41 @@ PANELS = (
           ((f"sum by (reason) (rate(moepipe_fallback_requests_total{RI}))", "{{reason}}"),),
           "reqps", fallback=True),
     Panel("Expert activation, layer $layer (tokens / s per expert)", "heatmap",
-          ((f"sum by (expert) (rate(moepipe_expert_tokens_total{{layer=~\"$layer\"}}{RI}))",
-            "{{expert}}"),), "short", width=12, repeat="layer",
-          options={"calculate": False, "yAxis": {"axisLabel": "expert"}}),
+          (("sum by (expert) (rate(moepipe_expert_tokens_total"
+            f"{{window=\"\",layer=~\"$layer\"}}{RI}))", "{{expert}}"),), "short", width=12,
+          repeat="layer", options={"calculate": False, "yAxis": {"axisLabel": "expert"}},
+          experts="live"),
     Panel("Expert balance per layer (std / mean of tokens per expert)", "timeseries",
           ((f"stddev by (layer) ({EXPERT_RATE}) / (avg by (layer) ({EXPERT_RATE}) > 0)",
             "layer {{layer}}"),), "short",
           description="0 = every expert gets the same share; the MoepipeExpertImbalance "
-                      "alert fires above monitoring.max_expert_imbalance."),
+                      "alert fires above monitoring.max_expert_imbalance.", experts="live"),
+    Panel("Expert load in TensorRT-LLM's statistics window, layer $layer (tokens per expert)",
+          "bargauge", (("sum by (expert) (moepipe_expert_tokens_total"
+                        "{window!=\"\",layer=~\"$layer\"})", "{{expert}}"),), "short",
+          width=12, repeat="layer", experts="window",
+          description="Counted by TensorRT-LLM over deploy.trtllm.expert_statistic's "
+                      "iterations and exported once written; `moepipe balance --metrics` "
+                      "places experts from them.",
+          options={"orientation": "vertical", "displayMode": "basic",
+                   "reduceOptions": {"calcs": ["lastNotNull"], "values": False}}),
+    Panel("Expert balance per layer in TensorRT-LLM's window (std / mean)", "timeseries",
+          ((f"stddev by (layer) ({EXPERT_WINDOW}) / (avg by (layer) ({EXPERT_WINDOW}) > 0)",
+            "layer {{layer}}"),), "short", experts="window",
+          description="0 = every expert got the same share in the window; the "
+                      "MoepipeExpertImbalance alert fires above "
+                      "monitoring.max_expert_imbalance."),
 )
 
 
-def panels_for(target: str, fallback: bool = False) -> list[Panel]:
-    exported = EXPORTED[target]
+def panels_for(target: str, fallback: bool = False, decoupled: bool = True,
+               expert_statistic: bool = False) -> list[Panel]:
+    """The panels whose every query reads only metrics the deployment exports (and, for
+    expert panels, whose kind of expert counts it exports: ``Target.expert_counts``)."""
+    names = exported(target, decoupled=decoupled, expert_statistic=expert_statistic)
     return [p for p in PANELS if (fallback or not p.fallback)
-            and all(metrics_in(expr) <= exported for expr, _ in p.queries)]
+            and (not p.experts or p.experts == get_target(target).expert_counts)
+            and all(metrics_in(expr) <= names for expr, _ in p.queries)]
 
 
 def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
@@ -124,8 +150,9 @@ def _variable(name: str, query: str, multi: bool = True) -> dict[str, Any]:
             "includeAll": True, "multi": multi, "current": {}, "sort": 3}
 
 
-def dashboard(target: str, title: str, uid: str, fallback: bool = False) -> dict[str, Any]:
-    chosen = panels_for(target, fallback)
+def dashboard(target: str, title: str, uid: str, fallback: bool = False,
+              decoupled: bool = True, expert_statistic: bool = False) -> dict[str, Any]:
+    chosen = panels_for(target, fallback, decoupled, expert_statistic)
     panels, x, y = [], 0, 0
     for i, p in enumerate(chosen, start=1):
         if x + p.width > 24:

@@ -1,11 +1,16 @@
 """Kubernetes objects for a rendered deployment: ``<deploy>/k8s/`` as a kustomize folder.
 
-One node (world size <= ``deploy.k8s.gpus_per_node``, and the cpu target always): a Deployment and
-a Service. More nodes (trtllm-engine only: its MPI ranks span nodes): a LeaderWorkerSet whose
-groups are one leader + ``nodes - 1`` workers, a headless Service for the group's DNS names, a
-ClusterIP Service on the leaders, and the RBAC + ``kubessh`` agent through which the leader's
-``mpirun`` starts the ranks of the workers (the pattern of LWS's TensorRT-LLM example,
-kubernetes-sigs/lws docs/examples/tensorrt-llm). Both shapes get probes on Triton's
+One node (world size <= ``deploy.k8s.gpus_per_node``; the cpu target at world size 1): a
+Deployment and a Service. More nodes (trtllm-engine: its MPI ranks span nodes): a
+LeaderWorkerSet whose groups are one leader + ``nodes - 1`` workers, a headless Service for the
+group's DNS names, a ClusterIP Service on the leaders, and the RBAC + ``kubessh`` agent through
+which the leader's ``mpirun`` starts the ranks of the workers (the pattern of LWS's TensorRT-LLM
+example, kubernetes-sigs/lws docs/examples/tensorrt-llm). The cpu target at world size > 1 is
+a LeaderWorkerSet too, one rank per pod, no MPI and no API access: the leader pod's
+tritonserver holds rank 0 (listening for the others on ``deploy.rank_port``), each worker pod
+runs its rank (``LWS_WORKER_INDEX``) in a loop that starts it again when it exits, so a lost
+rank is replaced in seconds while the leader keeps serving (``restartPolicy: None``:
+recreating the group would restart the server too). Both shapes get probes on Triton's
 ``/v2/health/{live,ready}``, ``nvidia.com/gpu`` requests on GPU targets, the accounts, rights,
 non-root read-only-root security context and writable volumes of
 :mod:`moepipe.deploy.cluster.pod_security`, a HorizontalPodAutoscaler on a custom metric (served
@@ -29,9 +34,14 @@ import yaml
 
 from moepipe.config import DNS1123_LABEL
 from moepipe.deploy.cluster import pod_security
-from moepipe.deploy.tritonserver import SERVER_STACK_BYTES
+from moepipe.deploy.tritonserver import RAISE_STACK, ServerCommand
 from moepipe.errors import ConfigError
+from moepipe.targets import get_target, targets_where
 
+# Where a pod's TensorRT-LLM writes its expert statistics (an emptyDir: the workdir is mounted
+# read-only); `kubectl cp` copies the folder out for `moepipe balance --counts`, or `moepipe
+# balance --metrics` reads the counts the pod exports.
+EXPERT_STATISTIC_DIR = "/var/lib/moepipe/expert-statistic"
 # Labels every object carries; the selector uses the first two.
 APP_LABEL = "app.kubernetes.io/name"
 PART_LABEL = "app.kubernetes.io/part-of"
@@ -58,15 +68,20 @@ class Shape:
 
 
 def shape(target: str, world_size: int, gpus_per_node: int) -> Shape:
-    """Nodes and GPUs per pod; multi-node only for trtllm-engine with whole nodes."""
-    if target == "cpu":
-        return Shape(world_size, 1, 0)
+    """Nodes and GPUs per pod: a CPU target's rank group is one rank per pod (moepipe.ranks,
+    no GPUs); a GPU target spreads over whole nodes only when its ranks may span nodes
+    (``Target.multi_node``)."""
+    t = get_target(target)
+    if not t.gpu:
+        return Shape(world_size, world_size, 0)
     if world_size <= gpus_per_node:
         return Shape(world_size, 1, world_size)
-    if target != "trtllm-engine":
+    if not t.multi_node:
+        able = targets_where(lambda o: o.multi_node and o.gpu)
         raise ConfigError(f"world size {world_size} needs more than one node of "
-                          f"{gpus_per_node} GPUs, which only the trtllm-engine target spans",
-                          "use target: trtllm-engine, or raise deploy.k8s.gpus_per_node")
+                          f"{gpus_per_node} GPUs, which only the {' or '.join(able)} target "
+                          "spans",
+                          f"use target: {' or '.join(able)}, or raise deploy.k8s.gpus_per_node")
     if world_size % gpus_per_node:
         raise ConfigError(f"world size {world_size} is not a multiple of "
                           f"deploy.k8s.gpus_per_node ({gpus_per_node})",
@@ -94,7 +109,7 @@ class PodPlan:
     image: str
     target: str
     workdir: Path
-    repo: Path
+    server: ServerCommand  # bound to all of the pod's addresses
     ports: dict[str, int]
     gpus: int
     cpu: str
@@ -103,6 +118,9 @@ class PodPlan:
     volume_claim: str
     startup_s: int
     exit_timeout_s: int
+    rank_port: int = 0  # cpu target: where rank 0 listens for the other ranks
+    env: tuple[tuple[str, str], ...] = ()  # the server's environment (its ranks inherit it)
+    scratch: tuple[str, ...] = ()  # writable folders (emptyDir): the workdir is read-only
 
 
 def _mi(mib: int) -> str:
@@ -110,32 +128,11 @@ def _mi(mib: int) -> str:
     return f"{mib}Mi"
 
 
-def server_args(plan: PodPlan) -> list[str]:
-    """tritonserver's flags in a pod: bound to all of the pod's addresses (the kubelet probes
-    the pod IP and the Service forwards to it; the pod network is the boundary)."""
-    p = plan.ports
-    return [f"--model-repository={plan.repo}", "--disable-auto-complete-config",
-            "--http-address=0.0.0.0", f"--http-port={p['http']}",
-            "--grpc-address=0.0.0.0", f"--grpc-port={p['grpc']}",
-            "--metrics-address=0.0.0.0", f"--metrics-port={p['metrics']}",
-            # Quantiles, and the first-response (TTFT) histogram the dashboard reads (Triton >=
-            # 24.x: the images of docker/versions.env).
-            "--metrics-config=summary_latencies=true",
-            "--metrics-config=histogram_latencies=true",
-            f"--exit-timeout-secs={plan.exit_timeout_s}"]
-
-
-# Triton's HTTP frontend parses a form-encoded body into stack arrays of its size (see
-# SERVER_STACK_BYTES): with a container's usual 8 MiB stacks a ~5 MB body kills the pod's server.
-# Serving pods raise the soft limit before exec'ing it, as the local server and launch.sh do;
-# best effort (a lower hard limit is kept; `ulimit -S -s` is not POSIX, but the images' shells,
-# dash and bash, have it).
-RAISE_STACK = f"ulimit -S -s {SERVER_STACK_BYTES >> 10} 2>/dev/null || true"
-
-
 def serve_command(args: list[str]) -> list[str]:
     """A container command that raises the stack limit, then becomes ``tritonserver args``
-    (``exec``: it is still the process the kubelet signals)."""
+    (``exec``: it is still the process the kubelet signals). Triton's HTTP frontend parses a
+    form-encoded body into stack arrays of its size (moepipe.deploy.tritonserver
+    SERVER_STACK_BYTES): with a container's usual 8 MiB stacks a ~5 MB body would kill it."""
     return ["/bin/sh", "-c", f'{RAISE_STACK}; exec tritonserver "$@"', "tritonserver", *args]
 
 
@@ -162,6 +159,9 @@ def container(plan: PodPlan, name: str, command: list[str], *, serving: bool) ->
                          {"name": "workdir", "mountPath": str(plan.workdir),
                           "readOnly": True}],
     }
+    c["env"] += [{"name": k, "value": v} for k, v in plan.env]
+    c["volumeMounts"] += [{"name": f"scratch-{i}", "mountPath": path}
+                          for i, path in enumerate(plan.scratch)]
     if serving:
         c["ports"] = [{"name": n, "containerPort": plan.ports[n], "protocol": "TCP"}
                       for n in PORT_NAMES]
@@ -186,6 +186,7 @@ def pod_spec(plan: PodPlan, containers: list[dict], service_account: str | None 
             *(v for v, _ in pod_security.writable_volumes(plan.shm_mib)),
             {"name": "workdir", "persistentVolumeClaim": {"claimName": plan.volume_claim,
                                                           "readOnly": True}},
+            *({"name": f"scratch-{i}", "emptyDir": {}} for i in range(len(plan.scratch))),
         ],
         "automountServiceAccountToken": api_access,
     }
@@ -222,7 +223,7 @@ def deployment(plan: PodPlan, replicas: int) -> dict[str, Any]:
             "template": {
                 "metadata": {"labels": labels(app, role="leader")},
                 "spec": pod_spec(plan, [container(plan, "triton",
-                                                  serve_command(server_args(plan)),
+                                                  serve_command(plan.server.args()),
                                                   serving=True)]),
             },
         },
@@ -306,18 +307,9 @@ while [ "$i" -lt "$SIZE" ]; do
     hosts="$hosts,$worker:__PER_NODE__"
     i=$((i + 1))
 done
-set --
-rank=0
-while [ "$rank" -lt __WORLD__ ]; do
-    [ "$rank" -eq 0 ] || set -- "$@" :
-    set -- "$@" -n 1 tritonserver __ARGS__ \\
-        --backend-config=python,shm-region-prefix-name=prefix"$rank"_
-    [ "$rank" -eq 0 ] || set -- "$@" --model-control-mode=explicit --load-model=tensorrt_llm \\
-        --allow-http=false --allow-grpc=false --allow-metrics=false
-    rank=$((rank + 1))
-done
-# Rank 0 (this pod) serves HTTP: the larger stack limit, see RAISE_STACK in moepipe's k8s.py
-# (`ulimit -S -s` is not POSIX, but dash, bash and busybox sh have it; elsewhere it is skipped).
+__RANKS__
+# Rank 0 (this pod) serves HTTP: the larger stack limit (moepipe.deploy.tritonserver.RAISE_STACK;
+# `ulimit -S -s` is not POSIX, but dash, bash and busybox sh have it; elsewhere it is skipped).
 # shellcheck disable=SC3045
 __RAISE_STACK__
 echo "leader: __WORLD__ ranks on $hosts" >&2
@@ -326,16 +318,60 @@ exec mpirun --allow-run-as-root -mca plm_rsh_agent /opt/moepipe/kubessh \\
 """
 
 
+CPU_LEADER = """#!/bin/sh
+# Leader of a moepipe cpu rank group (world size __WORLD__, one rank per pod): rank 0 runs in
+# tritonserver's tensorrt_llm model and listens for the worker pods' ranks on every address of
+# this pod; Triton is ready once they have joined.
+set -eu
+export MOEPIPE_RANK_LISTEN="0.0.0.0:__RANK_PORT__"
+# shellcheck disable=SC3045
+__RAISE_STACK__
+exec tritonserver __ARGS__
+"""
+
+CPU_WORKER = """#!/bin/sh
+# Worker pod of a moepipe cpu rank group: runs rank LWS_WORKER_INDEX, and again whenever it
+# exits (rank 0 dissolves the group when it loses any rank; the next group forms from the
+# ranks that connect again). SIGTERM stops the rank and the loop.
+set -u
+LEADER="${LWS_LEADER_ADDRESS:?LWS_LEADER_ADDRESS unset: run by a LeaderWorkerSet}"
+RANK="${LWS_WORKER_INDEX:?LWS_WORKER_INDEX unset: run by a LeaderWorkerSet}"
+PYTHON="${MOEPIPE_PYTHON:-python3}"
+pid=
+trap 'if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; fi; exit 0' TERM INT
+while :; do
+    "$PYTHON" -m moepipe.ranks.worker --leader "$LEADER:__RANK_PORT__" --rank "$RANK" \\
+        --connect-timeout __WAIT_S__ &
+    pid=$!
+    wait "$pid" || echo "rank $RANK exited ($?); starting it again" >&2
+    pid=
+    sleep 1
+done
+"""
+
+
+def cpu_scripts(plan: PodPlan, shape_: Shape) -> dict[str, str]:
+    """leader.sh and worker.sh of a cpu rank group (the launch path of every host; the
+    workers load the checkpoint the leader names)."""
+    leader = (CPU_LEADER.replace("__WORLD__", str(shape_.world_size))
+              .replace("__RANK_PORT__", str(plan.rank_port)).replace("__RAISE_STACK__", RAISE_STACK)
+              .replace("__ARGS__", shlex.join(plan.server.args())))
+    worker = (CPU_WORKER.replace("__RANK_PORT__", str(plan.rank_port))
+              .replace("__WAIT_S__", str(plan.startup_s)))
+    return {"leader.sh": leader, "worker.sh": worker}
+
+
 def leader_script(plan: PodPlan, shape_: Shape) -> str:
-    args = shlex.join(server_args(plan))
-    return (LEADER.replace("__WORLD__", str(shape_.world_size))
+    return (LEADER.replace("__RANKS__", plan.server.mpi_ranks("tritonserver", "__WORLD__"))
+            .replace("__WORLD__", str(shape_.world_size))
             .replace("__PER_NODE__", str(shape_.gpus_per_pod))
-            .replace("__WAIT_S__", str(plan.startup_s)).replace("__ARGS__", args)
+            .replace("__WAIT_S__", str(plan.startup_s))
             .replace("__RAISE_STACK__", RAISE_STACK))
 
 
 def leader_worker_set(plan: PodPlan, shape_: Shape, replicas: int) -> dict[str, Any]:
     app = plan.name
+    cpu = not get_target(plan.target).mpi_ranks  # moepipe's rank group, not an MPI job
     scripts = {"name": "scripts", "configMap": {"name": f"{app}-launch", "defaultMode": 0o555}}
     env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
 
@@ -343,11 +379,18 @@ def leader_worker_set(plan: PodPlan, shape_: Shape, replicas: int) -> dict[str, 
         c = container(plan, "triton", command, serving=serving)
         c["env"] += env
         c["volumeMounts"].append({"name": "scripts", "mountPath": "/opt/moepipe"})
-        leader = role == "leader"  # only the leader's kubessh talks to the API server
-        account = (pod_security.leader_account if leader else pod_security.worker_account)(app)
+        # only a GPU group's leader talks to the API server (its kubessh agent)
+        leader = role == "leader" and not cpu
+        account = None if cpu else \
+            (pod_security.leader_account if leader else pod_security.worker_account)(app)
         spec = pod_spec(plan, [c], service_account=account, api_access=leader)
         spec["volumes"].append(scripts)
         return {"metadata": {"labels": labels(app, role=role)}, "spec": spec}
+
+    # Workers wait; the leader's mpirun starts their ranks in them (GPU), or each runs its
+    # own rank (cpu).
+    worker = ["/bin/sh", "/opt/moepipe/worker.sh"] if cpu else \
+        ["/bin/sh", "-c", "exec sleep infinity"]
 
     return {
         "apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": meta(app, app),
@@ -359,22 +402,22 @@ def leader_worker_set(plan: PodPlan, shape_: Shape, replicas: int) -> dict[str, 
                                                                "maxSurge": 1}},
             "leaderWorkerTemplate": {
                 "size": shape_.nodes,
-                # A rank that dies takes the MPI job with it: restart the whole group.
-                "restartPolicy": "RecreateGroupOnPodRestart",
+                # A rank that dies takes the MPI job with it: restart the whole group. A cpu
+                # group re-forms around its leader by itself.
+                "restartPolicy": "None" if cpu else "RecreateGroupOnPodRestart",
                 "leaderTemplate": template("leader", ["/bin/sh", "/opt/moepipe/leader.sh"],
                                            True),
-                # Workers wait; the leader's mpirun starts their ranks in them.
-                "workerTemplate": template("worker", ["/bin/sh", "-c",
-                                                      "exec sleep infinity"], False),
+                "workerTemplate": template("worker", worker, False),
             },
         },
     }
 
 
 def launch_config_map(plan: PodPlan, shape_: Shape) -> dict[str, Any]:
+    data = cpu_scripts(plan, shape_) if not get_target(plan.target).mpi_ranks else \
+        {"leader.sh": leader_script(plan, shape_), "kubessh": KUBESSH}
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": meta(f"{plan.name}-launch", plan.name),
-            "data": {"leader.sh": leader_script(plan, shape_), "kubessh": KUBESSH}}
+            "metadata": meta(f"{plan.name}-launch", plan.name), "data": data}
 
 
 def objects(plan: PodPlan, shape_: Shape, *, min_replicas: int, max_replicas: int,
@@ -393,7 +436,8 @@ def objects(plan: PodPlan, shape_: Shape, *, min_replicas: int, max_replicas: in
     return {
         "leaderworkerset.yaml": [leader_worker_set(plan, shape_, min_replicas)],
         "launch-configmap.yaml": [launch_config_map(plan, shape_)],
-        "rbac.yaml": pod_security.rbac(app, meta),
+        **({"rbac.yaml": pod_security.rbac(app, meta)} if get_target(plan.target).mpi_ranks
+           else {}),
         # The leaders serve; the headless Service gives every pod of a group a DNS name.
         "service.yaml": [service(plan, selector=leaders),
                          service(plan, selector={APP_LABEL: app}, headless=True,

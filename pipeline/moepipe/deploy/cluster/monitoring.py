@@ -4,13 +4,22 @@
   cluster ``k8s/prometheus-operator/`` holds a PodMonitor and the same rules as a
   PrometheusRule.
 * ``moepipe-rules.yml`` - recording rules and alerts (p99 latency over the SLO, error ratio,
-  queue time, server down, expert imbalance). ``promtool check rules`` accepts it.
+  queue time, server down, expert imbalance; with a price, US$ per million tokens and its
+  alert). ``promtool check rules`` accepts it.
 * ``prometheus-adapter.yaml`` - the adapter rule that serves the autoscaler's metric on
   ``custom.metrics.k8s.io`` (values for the adapter's Helm chart: ``rules.custom``).
 
 Metric names are Triton's (server ``docs/user_guide/metrics.md``: counters without a ``_total``
 suffix, the ``_summary_us`` quantiles of ``--metrics-config summary_latencies=true``) and
-moepipe's ``moepipe_expert_tokens_total{model,layer,expert}``.
+moepipe's ``moepipe_expert_tokens_total{model,layer,expert}``. Token rates: moepipe's models'
+``moepipe_generated_tokens_total`` / ``moepipe_prompt_tokens_total``, TensorRT-LLM's backend's
+``nv_llm_output_token_len_sum`` / ``nv_llm_input_token_len_sum`` (its
+``custom_metrics_reporter.cc``: histograms of each request's token counts, so ``_sum`` counts
+tokens).
+
+Cost per token (:mod:`moepipe.utils.cost`): ``$/M = $/h / (tokens/s x 3600) x 1e6`` per scraped
+server (a replica; a LeaderWorkerSet's leader speaks for its group), the price being
+``validate.cost``'s.
 """
 
 from __future__ import annotations
@@ -19,11 +28,19 @@ from typing import Any
 
 import yaml
 
+from moepipe.deploy.metric_names import metrics_in
+
 JOB = "moepipe"
 # Recorded series (level:metric:operation, Prometheus' naming practice).
 EXPERT_RATE = "moepipe:expert_tokens:rate"
+EXPERT_WINDOW = "moepipe:expert_tokens:window"
 EXPERT_IMBALANCE = "moepipe:expert_imbalance:stddev_over_mean"
 QUEUE_COMPUTE = "triton:queue_compute:ratio"
+OUTPUT_RATE = "moepipe:output_tokens:rate"
+INPUT_RATE = "moepipe:input_tokens:rate"
+COST_OUTPUT = "moepipe:usd_per_million_output_tokens"
+COST = "moepipe:usd_per_million_tokens"
+LAYER = "job, instance, model, layer"
 PENDING = "moepipe:pending_requests:sum"
 # The autoscaler's metric names on custom.metrics.k8s.io (prometheus-adapter renames).
 HPA_METRICS = {"pending_requests": ("nv_inference_pending_request_count",
@@ -35,23 +52,64 @@ def _dur(seconds: int) -> str:
     return f"{seconds}s"
 
 
+def cost_rules(w: str, usd_per_hour: float, max_usd_per_million_tokens: float | None,
+               for_s: int) -> list[dict[str, Any]]:
+    """Token rates per server, US$ per million output tokens and per million tokens (input
+    and output alike), and the alert on the latter; an idle server gives no cost sample."""
+    def rate(*names: str) -> str:
+        return " or ".join(f"sum by (job, instance) (rate({n}{w}))" for n in names)
+
+    per_million = f"{usd_per_hour / 3600 * 1e6:.10g}"  # US$ per second, times a million
+    out: list[dict[str, Any]] = [
+        {"record": OUTPUT_RATE,
+         "expr": rate("moepipe_generated_tokens_total", "nv_llm_output_token_len_sum")},
+        {"record": INPUT_RATE,
+         "expr": rate("moepipe_prompt_tokens_total", "nv_llm_input_token_len_sum")},
+        {"record": COST_OUTPUT, "expr": f"{per_million} / ({OUTPUT_RATE} > 0)"},
+        {"record": COST, "expr": f"{per_million} / (({INPUT_RATE} + {OUTPUT_RATE}) > 0)"},
+    ]
+    if max_usd_per_million_tokens is not None:
+        out.append({
+            "alert": "MoepipeCostPerTokenHigh",
+            "expr": f"{COST} > {max_usd_per_million_tokens:g}", "for": _dur(for_s),
+            "labels": {"severity": "warning"},
+            "annotations": {"summary": "{{ $labels.instance }} serves tokens at "
+                                       "{{ $value | humanize }} US$ per million (limit "
+                                       f"{max_usd_per_million_tokens:g}, at "
+                                       f"{usd_per_hour:g} US$/h)",
+                            "description": "Too few tokens for what the deployment costs: "
+                                           "scale it in, or send it more traffic."}})
+    return out
+
+
 def rules(*, window_s: int, for_s: int, slo_p99_ms: float, max_error_ratio: float,
-          max_queue_ms: float, max_expert_imbalance: float, interval_s: int | None = None
-          ) -> dict[str, Any]:
+          max_queue_ms: float, max_expert_imbalance: float, interval_s: int | None = None,
+          exported: set[str] | None = None, usd_per_hour: float | None = None,
+          max_usd_per_million_tokens: float | None = None) -> dict[str, Any]:
     """The rule file's content; ``window_s`` is the rate window, ``for_s`` how long a
-    condition must hold before its alert fires."""
+    condition must hold before its alert fires. With ``exported`` (the metrics the deployment
+    exports, :func:`moepipe.deploy.metric_names.exported`) a rule that reads anything else is
+    left out: it could never fire, and nothing would say why. ``usd_per_hour``: the
+    deployment's price (cost rules and, with ``max_usd_per_million_tokens``, their alert)."""
     w = f"[{_dur(window_s)}]"
     success = f"sum by (model) (rate(nv_inference_request_success{w}))"
     failure = f"sum by (model) (rate(nv_inference_request_failure{w}))"
+    spread = "stddev by ({0}) ({1}) / (avg by ({0}) ({1}) > 0)"
     recording = [
+        # Live counts (cpu): the current load is their rate.
         {"record": EXPERT_RATE,
          "expr": f"sum by (job, instance, model, layer, expert) "
-                 f"(rate(moepipe_expert_tokens_total{w}))"},
+                 f'(rate(moepipe_expert_tokens_total{{window=""}}{w}))'},
+        # TensorRT-LLM's statistics window (trtllm-pytorch): counts of iterations START-STOP,
+        # constant once exported; the load is the counts themselves.
+        {"record": EXPERT_WINDOW,
+         "expr": "sum by (job, instance, model, layer, expert, window) "
+                 '(moepipe_expert_tokens_total{window!=""})'},
         # std/mean of the tokens each expert of a layer receives: 0 when the router spreads
         # tokens evenly, sqrt(E-1) when one expert takes them all. Idle layers give no sample.
         {"record": EXPERT_IMBALANCE,
-         "expr": f"stddev by (job, instance, model, layer) ({EXPERT_RATE})"
-                 f" / (avg by (job, instance, model, layer) ({EXPERT_RATE}) > 0)"},
+         "expr": f"({spread.format(LAYER, EXPERT_RATE)}) or "
+                 f"({spread.format(LAYER, EXPERT_WINDOW)})"},
         {"record": QUEUE_COMPUTE,
          "expr": f"sum by (namespace, pod, model) (rate(nv_inference_queue_duration_us{w}))"
                  f" / clamp_min(sum by (namespace, pod, model) "
@@ -89,9 +147,25 @@ def rules(*, window_s: int, for_s: int, slo_p99_ms: float, max_error_ratio: floa
                                         "those experts' ranks bound the step time "
                                         "(expert parallelism cannot balance the load)."}},
     ]}
+    if exported is not None:
+        group["rules"] = _readable(group["rules"], exported)
+    if usd_per_hour is not None:  # each reads whichever token counter the target exports
+        group["rules"] += cost_rules(w, usd_per_hour, max_usd_per_million_tokens, for_s)
     if interval_s is not None:
         group["interval"] = _dur(interval_s)
     return {"groups": [group]}
+
+
+def _readable(group: list[dict[str, Any]], exported: set[str]) -> list[dict[str, Any]]:
+    """The rules whose expressions read only exported metrics or series recorded before them."""
+    available = set(exported)
+    kept = []
+    for rule in group:
+        if metrics_in(rule["expr"]) <= available:
+            kept.append(rule)
+            if "record" in rule:
+                available.add(rule["record"])
+    return kept
 
 
 def scrape_config(*, local_target: str, scrape_interval_s: int, evaluation_interval_s: int,

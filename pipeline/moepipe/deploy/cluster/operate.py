@@ -9,15 +9,18 @@ image                           ``deploy.k8s.image``; else GPU targets: the Trit
                                 (``docker/Dockerfile`` on that image: the cpu model imports
                                 moepipe)
 world size, nodes, GPUs/pod     ``parallel`` (tp x pp) over ``deploy.k8s.gpus_per_node``
-memory per pod                  ``deploy.k8s.memory_gib``, else the planner's
-                                (``moepipe.planner.pods``, set by ``moepipe deploy``), else
-                                :func:`memory_estimate_mib` from the built files
+memory per pod                  ``deploy.k8s.memory_gib``, else the sizing model's
+                                (:func:`pod_memory`, ``moepipe.sizing.pods``)
 /dev/shm size                   64 MiB per Python-model instance, at least 1 GiB
-startup probe budget            ``deploy.ready_timeout_s`` (GPU targets: at least 15 min)
+startup probe budget            ``deploy.ready_timeout_s``, at least ``Target.min_startup_s``
+                                (GPU targets: 15 min)
 ports, exit timeout             ``deploy.<http,grpc,metrics>_port``, ``deploy.exit_timeout_s``
+server flags                    :class:`moepipe.deploy.tritonserver.ServerCommand`, on 0.0.0.0
 autoscaler, budget              ``deploy.k8s.{min,max}_replicas``, ``autoscale_metric``,
                                 ``autoscale_target``
-rules, scrape config            ``deploy.monitoring``
+rules, scrape config            ``deploy.monitoring``; the cost rules: ``validate.cost``
+environment, scratch folder     ``deploy.trtllm.expert_statistic``: TensorRT-LLM's
+                                ``EXPERT_STATISTIC_*`` variables, an emptyDir to write into
 =============================== ==============================================================
 """
 
@@ -30,76 +33,80 @@ from pathlib import Path
 from moepipe import __version__
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster import grafana, k8s, monitoring
+from moepipe.deploy.metric_names import exported
+from moepipe.deploy.tritonserver import ServerCommand
+from moepipe.errors import CheckpointError
+from moepipe.sizing.pods import pod_memory_mib
+from moepipe.sizing.shapes import load_shape
+from moepipe.sizing.weights import Sharding
+from moepipe.targets import get_target
+from moepipe.trtllm.expert_statistic import environment
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
-MIB = 1 << 20
 RULES_FILE = "moepipe-rules.yml"
 
 
 def default_image(target: str) -> str:
-    return TRITON_TRTLLM_CONTAINER if target != "cpu" else f"moepipe-trtllm:{__version__}"
+    """The image a target's pods run (``Target.image``): NVIDIA's Triton + TensorRT-LLM image,
+    or moepipe's built on it."""
+    return {"triton": TRITON_TRTLLM_CONTAINER,
+            "moepipe": f"moepipe-trtllm:{__version__}"}[get_target(target).image]
 
 
-def _bytes_under(path: Path | None, pattern: str) -> int:
-    if path is None or not path.is_dir():
-        return 0
-    return sum(p.stat().st_size for p in path.glob(pattern) if p.is_file())
-
-
-def memory_estimate_mib(cfg: MoepipeConfig, art, nodes: int) -> int:
-    """Host memory one pod needs: what it loads, with headroom.
-
-    cpu: the checkpoint's weights held by torch (up-cast to float32 at most: x2 over 16-bit
-    files) plus its KV cache (max_batch_size x max_seq_len tokens, float32) plus 2 GiB for
-    Triton and the Python models. GPU targets: the node's share of the engine (or checkpoint)
-    files, which pass through host memory while loading, plus 8 GiB."""
-    if cfg.target == "cpu":
-        weights = _bytes_under(art.checkpoint_dir, "rank*.safetensors")
-        conf = {}
-        if art.checkpoint_dir is not None and (art.checkpoint_dir / "config.json").is_file():
-            conf = json.loads((art.checkpoint_dir / "config.json").read_text())
-        layers = int(conf.get("num_hidden_layers", 0))
-        kv_heads = int(conf.get("num_key_value_heads") or conf.get("num_attention_heads", 0))
-        head = int(conf.get("head_size") or (conf.get("hidden_size", 0)
-                                               // max(1, conf.get("num_attention_heads", 1))))
-        kv = 2 * layers * kv_heads * head * 4 * cfg.build.max_batch_size * cfg.build.max_seq_len
-        need = 2 * weights + kv + 2048 * MIB
-    else:
-        files = (_bytes_under(art.engine_dir, "*.engine")
-                 or _bytes_under(art.checkpoint_dir, "*.safetensors")
-                 or _bytes_under(art.hf_serving_dir, "*.safetensors"))
-        need = files // nodes + 8192 * MIB
-    return max(1024, math.ceil(need / (1024 * MIB)) * 1024)
+def pod_memory(cfg: MoepipeConfig) -> int:
+    """Host memory of one serving pod in MiB (the Kubernetes memory request and limit):
+    ``deploy.k8s.memory_gib``, else the sizing model's for the configured model, target,
+    mapping and limits (:mod:`moepipe.sizing.pods`)."""
+    kc, p, b = cfg.deploy.k8s, cfg.parallel, cfg.build
+    if kc.memory_gib:
+        return math.ceil(kc.memory_gib * 1024)
+    source = cfg.model.path or cfg.model.example or ""
+    model = load_shape(source)
+    if model is None:
+        raise CheckpointError(f"{source}: no config.json to size the pods by",
+                              "run `moepipe build` first, or set deploy.k8s.memory_gib")
+    m = p.to_mapping()
+    gpus = k8s.shape(cfg.target, m.world_size, kc.gpus_per_node).gpus_per_pod
+    return pod_memory_mib(model, Sharding(m.tp, m.pp, m.moe_tp, m.moe_ep, p.attention_dp),
+                          cfg.target, fmt=cfg.quantize.format,
+                          dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
+                          gpus_per_pod=gpus, max_batch_size=b.max_batch_size,
+                          max_seq_len=b.max_seq_len)
 
 
 def python_instances(cfg: MoepipeConfig) -> int:
     """Python-model instances of the repository: pre/postprocessing and BLS, and the
-    tensorrt_llm model itself except on trtllm-engine (C++ backend)."""
-    return 3 * cfg.deploy.instance_count + (cfg.target != "trtllm-engine")
+    tensorrt_llm model itself where it is a Python model (``Target.python_model``)."""
+    return 3 * cfg.deploy.instance_count + get_target(cfg.target).python_model
 
 
-def plan(cfg: MoepipeConfig, art) -> tuple[k8s.PodPlan, k8s.Shape]:
+def plan(cfg: MoepipeConfig) -> tuple[k8s.PodPlan, k8s.Shape]:
     kc, d = cfg.deploy.k8s, cfg.deploy
     world = cfg.parallel.to_mapping().world_size
     shape = k8s.shape(cfg.target, world, kc.gpus_per_node)
-    memory = (math.ceil(kc.memory_gib * 1024) if kc.memory_gib
-              else getattr(art, "pod_memory_mib", None)
-              or memory_estimate_mib(cfg, art, shape.nodes))
-    startup = int(d.ready_timeout_s) if cfg.target == "cpu" else max(int(d.ready_timeout_s), 900)
+    memory = pod_memory(cfg)
+    startup = max(int(d.ready_timeout_s), get_target(cfg.target).min_startup_s)
+    window = d.trtllm.expert_statistic
+    env = {} if window is None else environment(window.start, window.stop,
+                                                k8s.EXPERT_STATISTIC_DIR)
     return k8s.PodPlan(
         name=k8s.check_name(kc.name, "deploy.k8s.name"),
         image=kc.image or default_image(cfg.target), target=cfg.target,
-        workdir=cfg.workdir, repo=cfg.deploy_dir / "model_repo",
+        workdir=cfg.workdir,
+        # the kubelet probes the pod IP and the Service forwards to it: the pod network is
+        # the boundary
+        server=ServerCommand.of(cfg, cfg.deploy_dir / "model_repo", host="0.0.0.0"),
         ports={"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port},
         gpus=shape.gpus_per_pod, cpu=f"{kc.cpus:g}", memory_mib=memory,
         shm_mib=k8s.shm_mib(python_instances(cfg)), volume_claim=kc.volume_claim,
-        startup_s=startup, exit_timeout_s=d.exit_timeout_s), shape
+        startup_s=startup, exit_timeout_s=d.exit_timeout_s, rank_port=d.rank_port,
+        env=tuple(env.items()), scratch=(k8s.EXPERT_STATISTIC_DIR,) if env else ()), shape
 
 
-def render_operations(cfg: MoepipeConfig, art, out: Path) -> list[Path]:
+def render_operations(cfg: MoepipeConfig, out: Path) -> list[Path]:
     """Write ``out/k8s`` and ``out/monitoring``; ``out`` is the deployment folder being
     written (the caller renames it into place when complete)."""
-    pod, shape = plan(cfg, art)
+    pod, shape = plan(cfg)
     kc, mc = cfg.deploy.k8s, cfg.deploy.monitoring
     hpa_metric = monitoring.HPA_METRICS[kc.autoscale_metric][1]
     (out / "k8s").mkdir(parents=True)
@@ -111,7 +118,13 @@ def render_operations(cfg: MoepipeConfig, art, out: Path) -> list[Path]:
     rules = monitoring.rules(window_s=mc.rate_window_s, for_s=mc.alert_for_s,
                              slo_p99_ms=mc.slo_p99_ms, max_error_ratio=mc.max_error_ratio,
                              max_queue_ms=mc.max_queue_ms,
-                             max_expert_imbalance=mc.max_expert_imbalance)
+                             max_expert_imbalance=mc.max_expert_imbalance,
+                             exported=exported(
+                                 cfg.target, decoupled=cfg.deploy.decoupled,
+                                 expert_statistic=cfg.deploy.trtllm.expert_statistic is not None),
+                             usd_per_hour=cfg.usd_per_hour(),
+                             max_usd_per_million_tokens=(
+                                 cfg.validation.cost.max_usd_per_million_tokens))
     files = {
         RULES_FILE: monitoring.dump(rules),
         "prometheus.yml": monitoring.dump(monitoring.scrape_config(
@@ -122,7 +135,8 @@ def render_operations(cfg: MoepipeConfig, art, out: Path) -> list[Path]:
             kc.autoscale_metric)),
         "grafana-dashboard.json": json.dumps(grafana.dashboard(
             cfg.target, f"moepipe {pod.name} ({cfg.target})", f"moepipe-{pod.name}",
-            fallback=cfg.deploy.fallback is not None),
+            fallback=cfg.deploy.fallback is not None, decoupled=cfg.deploy.decoupled,
+            expert_statistic=cfg.deploy.trtllm.expert_statistic is not None),
             indent=2) + "\n",
     }
     for name, text in files.items():

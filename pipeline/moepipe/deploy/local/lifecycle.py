@@ -13,12 +13,23 @@ waits for client connections or in-flight inferences and nothing progresses for
 :data:`DRAIN_IDLE_S`: an idle keep-alive connection, or a hung request the engine never got to
 report as running. A server that did sit
 out its exit timeout is reported as forced, not graceful. Every process of the deployment
-(server, backend stubs that a killed server left behind, the supervisor) is gone when ``stop``
-returns.
+(server, backend stubs that a killed server left behind, worker ranks, the supervisor, any
+other process started with the deployment's tag: :mod:`.processes`) is gone when ``stop``
+returns, and so is the shared memory of a server that had to be killed (:mod:`.shm`).
+
+The same holds for every other way a server's life ends: a start that fails, times out or is
+interrupted by a signal stops what it began (:func:`start`); a command that started a server
+and is ended by a signal or an error stops it (:func:`guard`); one repository is served by one
+server at a time (:func:`refuse_served`).
+
+A deployment whose ``tensorrt_llm`` model is rank 0 of a rank group (world size > 1) has its
+worker ranks started with the server (:mod:`moepipe.deploy.local.ranks`); the server is ready
+once they have joined.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,10 +37,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict
+from collections.abc import Iterator
 from pathlib import Path
 
-from moepipe.deploy.local import drain, processes
+from moepipe.deploy.local import drain, processes, ranks, shm
 from moepipe.deploy.local.binary import (
     LOG_FILE,
     check_port,
@@ -40,13 +51,15 @@ from moepipe.deploy.local.binary import (
     server_limits,
 )
 from moepipe.deploy.local.state import (
+    SERVE_DIR,
     STATE_FILE,
     ServerError,
     ServerState,
     read_state,
     write_state,
 )
-from moepipe.deploy.tritonserver import local_args
+from moepipe.deploy.tritonserver import ServerCommand
+from moepipe.utils import interrupt
 
 
 def _found_state(proc: processes.Proc, state_dir: Path) -> ServerState:
@@ -63,16 +76,21 @@ def _found_state(proc: processes.Proc, state_dir: Path) -> ServerState:
                        started=0.0, exit_timeout=port("exit-timeout-secs", 30))
 
 
-def locate(state_dir: Path, repository: Path | None) -> tuple[ServerState | None, bool]:
-    """(the deployment's server, whether ``server.json`` recorded it). Without a record, a
-    running tritonserver on ``repository`` is found by its command line."""
+def locate(state_dir: Path) -> tuple[ServerState | None, bool]:
+    """(the deployment's server, whether ``server.json`` recorded it). Without a record, the
+    deployment's running tritonserver is found by what started it (see :mod:`.processes`)."""
     state = read_state(state_dir)
     if state is not None:
         return state, True
-    if repository is None:
-        return None, False
-    servers = [p for p in processes.deployment_processes(repository) if p.kind == "server"]
+    servers = [p for p in processes.deployment_processes(state_dir) if p.kind == "server"]
     return (_found_state(servers[0], state_dir), False) if servers else (None, False)
+
+
+def start_ranks(state: ServerState, state_dir: Path) -> None:
+    """Start the worker ranks of ``state``'s deployment (none for a single process)."""
+    group = ranks.RankGroup.of(Path(state.repository))
+    state.ranks = ranks.start_workers(group, Path(state.repository), state_dir) \
+        if group is not None else None
 
 
 def dead_models(state: ServerState) -> list[str]:
@@ -89,20 +107,21 @@ def ready(state: ServerState) -> bool:
         return False
 
 
-def status(state_dir: Path, repository: Path | None = None) -> dict:
+def status(state_dir: Path) -> dict:
     """What runs for this workdir. ``running`` means serving: the server is up and none of
     its model processes has died."""
-    state, recorded = locate(state_dir, repository)
+    state, recorded = locate(state_dir)
     if state is None:
         failed = _failure(state_dir)
         return {"running": False, **({"failure": failed} if failed else {})}
     server_alive = processes.alive(state.pid)
     dead = dead_models(state) if server_alive else []
-    info = state.to_status(server_alive and not dead)
-    info.update(server_alive=server_alive, dead_models=dead, recorded=recorded,
+    lost = ranks.dead_ranks(state.ranks) if server_alive else []
+    info = state.to_status(server_alive and not dead and not lost)
+    info.update(server_alive=server_alive, dead_models=dead, dead_ranks=lost, recorded=recorded,
                 supervised=bool(state.supervisor_pid and processes.alive(state.supervisor_pid)))
     if not recorded:
-        info["note"] = f"{STATE_FILE} is missing; found the server by its command line"
+        info["note"] = f"{STATE_FILE} is missing; found the server by its deployment tag"
     failed = _failure(state_dir)
     if failed and not info["running"]:
         info["failure"] = failed
@@ -116,55 +135,86 @@ def _failure(state_dir: Path) -> str | None:
         return None
 
 
+def refuse_served(repository: Path) -> None:
+    """Refuse a second server on ``repository``: the two would share its files and the ports
+    of neither would say which one a client reaches."""
+    for proc, tag in processes.servers_of(repository):
+        if tag is None:
+            by = "a tritonserver moepipe did not start"
+        elif Path(tag).name == SERVE_DIR:
+            by = "`moepipe serve`"
+        else:
+            by = f"the `moepipe deploy` whose state is {tag}"
+        raise ServerError(f"{repository} is already served by {by} (tritonserver pid "
+                          f"{proc.pid}, http port {proc.option('http-port')})",
+                          "stop that server first, or serve a copy of the repository")
+
+
 def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_port: int,
           metrics_port: int, timeout: float = 180.0, exit_timeout: int = 30,
           binary: Path | None = None) -> ServerState:
-    """Start tritonserver on ``repository`` and wait until it is ready."""
+    """Start tritonserver on ``repository`` and wait until it is ready. Whatever ends the
+    wait - the server's exit, the timeout, a signal - stops every process the start began."""
     state_dir.mkdir(parents=True, exist_ok=True)
     current = read_state(state_dir)
     if current is not None and processes.alive(current.pid):
         raise ServerError(f"a server is already running for this workdir (pid {current.pid}, "
                           f"http {current.http})", "run `moepipe stop` first")
+    refuse_served(repository)
     for what, port in (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port)):
         check_port(host, port, what)
     triton = find_tritonserver(binary, state_dir)
     log = state_dir / LOG_FILE
-    cmd = [str(triton.path), *local_args(repository, host=host, http_port=http_port,
-                                         grpc_port=grpc_port, metrics_port=metrics_port,
-                                         exit_timeout=exit_timeout,
-                                         backend_dir=triton.backend_dir)]
-    with open(log, "wb") as log_file:
-        # Own session: Ctrl-C in the terminal reaches moepipe, which stops the server (and
-        # its backend stubs, which share its process group) by PID.
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=server_env(),
-                                start_new_session=True, preexec_fn=server_limits)
-    state = ServerState(pid=proc.pid, host=host, http_port=http_port, grpc_port=grpc_port,
-                        metrics_port=metrics_port, repository=str(repository), log=str(log),
-                        binary=str(triton.path), started=time.time(), exit_timeout=exit_timeout,
-                        backend_dir=str(triton.backend_dir) if triton.backend_dir else None)
-    (state_dir / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            # backend stubs it started may outlive it
-            processes.kill_all(processes.deployment_processes(repository, proc.pid))
-            (state_dir / STATE_FILE).unlink(missing_ok=True)
-            reason = failure_reason(log) or f"exit code {proc.returncode}"
-            raise ServerError(f"tritonserver exited during start: {reason}",
-                              f"full log: {log}", details=log_tail(log))
-        if ready(state):
-            # The model processes, so that one that dies later is noticed.
-            state.models = {p.model: p.pid
-                            for p in processes.deployment_processes(repository, proc.pid)
-                            if p.kind == "stub" and p.model}
-            write_state(state_dir, state)
-            return state
-        time.sleep(0.25)
-    terminate(state, exit_timeout)
-    (state_dir / STATE_FILE).unlink(missing_ok=True)
-    raise ServerError(f"tritonserver was not ready after {timeout:.0f}s (stopped it)",
-                      f"raise deploy.ready_timeout_s, or see {log}", details=log_tail(log))
+    # The local server runs a CPU target's repository (GPU targets run in NVIDIA's container).
+    server = ServerCommand(repository, host, http_port, grpc_port, metrics_port, exit_timeout)
+    cmd = [str(triton.path), *server.args(triton.backend_dir)]
+    try:
+        with open(log, "wb") as log_file:
+            # Own session: Ctrl-C in the terminal reaches moepipe, which stops the server and
+            # everything of its deployment (they carry its tag: processes.tagged).
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL,
+                                    env=processes.tagged(server_env(), state_dir),
+                                    start_new_session=True, preexec_fn=server_limits)
+        state = ServerState(pid=proc.pid, host=host, http_port=http_port,
+                            grpc_port=grpc_port, metrics_port=metrics_port,
+                            repository=str(repository), log=str(log),
+                            binary=str(triton.path), started=time.time(),
+                            exit_timeout=exit_timeout,
+                            backend_dir=str(triton.backend_dir) if triton.backend_dir else None)
+        start_ranks(state, state_dir)  # rank 0 (in the server) waits for them: ready = joined
+        write_state(state_dir, state)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                reason = failure_reason(log) or f"exit code {proc.returncode}"
+                raise ServerError(f"tritonserver exited during start: {reason}",
+                                  f"full log: {log}", details=log_tail(log))
+            if ready(state):
+                watch(state_dir, state)  # so that a model process that dies is noticed
+                write_state(state_dir, state)
+                return state
+            time.sleep(0.25)
+        terminate(state, exit_timeout, state_dir)
+        raise ServerError(f"tritonserver was not ready after {timeout:.0f}s (stopped it)",
+                          f"raise deploy.ready_timeout_s, or see {log}", details=log_tail(log))
+    except BaseException:
+        clear(state_dir)
+        raise
+
+
+def watch(state_dir: Path, state: ServerState) -> list[str]:
+    """Record the model processes of ``state``'s server and their shared memory: one that
+    dies later is noticed, and the regions of a killed server are removed. Returns the model
+    instances that were not recorded yet (seen after restarts: a model missing from the record
+    could die unnoticed)."""
+    mine = [p for p in processes.deployment_processes(state_dir)
+            if p.pid == state.pid or p.server_pid == state.pid]
+    stubs = {p.model: p.pid for p in mine if p.kind == "stub" and p.model}
+    new = sorted(m for m in stubs if m not in (state.models or {}))
+    state.models = {**stubs, **(state.models or {})}
+    state.regions = sorted(set(state.regions or []) | shm.regions(mine))
+    return new
 
 
 def _signal(state: ServerState, grace: float) -> tuple[bool, str | None]:
@@ -185,6 +235,8 @@ def _signal(state: ServerState, grace: float) -> tuple[bool, str | None]:
     last, since = before, time.monotonic()
     reason = f"still running after {grace:.0f}s"
     while time.monotonic() < deadline:
+        if interrupt.hurry():
+            return False, "interrupted again while it stopped"
         if not processes.alive(state.pid):
             shutdown.read()
             if shutdown.timed_out:
@@ -217,37 +269,56 @@ def _signal(state: ServerState, grace: float) -> tuple[bool, str | None]:
 
 
 def terminate(state: ServerState, grace: float,
-              repository: Path | None = None) -> tuple[bool, str | None, list[int]]:
-    """Stop ``state``'s server (see :func:`_signal`), then kill what is left of its deployment:
-    the server after a forced stop, backend stubs in its process group or naming its
-    repository. Returns (graceful, why forced, pids killed)."""
+              state_dir: Path) -> tuple[bool, str | None, list[int]]:
+    """Stop ``state``'s server (see :func:`_signal`), then kill what is left of its deployment
+    (the server after a forced stop, backend stubs, any other process it started) and remove
+    its shared memory. Returns (graceful, why forced, pids killed)."""
     graceful, forced = True, None
     if processes.alive(state.pid):
         graceful, forced = _signal(state, grace)
     processes.reap(state.pid)
-    return graceful, forced, _leftovers(state, repository)
+    return graceful, forced, _kill_all(state_dir, state)
 
 
-def _leftovers(state: ServerState | None, repository: Path | None) -> list[int]:
-    repo = Path(state.repository) if state is not None and state.repository else repository
-    if repo is None:
-        return []
-    return processes.kill_all(processes.deployment_processes(repo, state.pid if state else None))
+def _kill_all(state_dir: Path, state: ServerState | None) -> list[int]:
+    """Kill every process of the deployment (this one excepted) and remove the shared
+    memory of its servers; returns the pids killed."""
+    procs = processes.deployment_processes(state_dir)
+    processes.freeze(procs)  # no region is created between reading them and the kill
+    regions = shm.regions(procs) | set(state.regions or [] if state else [])
+    killed = processes.kill_all(procs)
+    shm.remove(regions)
+    return killed
 
 
-def clear(state_dir: Path, repository: Path, pgid: int | None) -> list[int]:
-    """Kill what an earlier deployment of ``repository`` left behind (stubs of a killed server,
-    its supervisor) and forget its record; returns the pids killed."""
-    killed = processes.kill_all(processes.deployment_processes(repository, pgid))
+def clear(state_dir: Path) -> list[int]:
+    """Kill what a deployment left behind (stubs of a killed server, its supervisor, a server
+    whose start was interrupted), remove its shared memory and forget its record; returns the
+    pids killed."""
+    killed = _kill_all(state_dir, read_state(state_dir))
     (state_dir / STATE_FILE).unlink(missing_ok=True)
     return killed
 
 
-def stop(state_dir: Path, repository: Path | None = None, grace: float | None = None) -> dict:
+@contextlib.contextmanager
+def guard(state_dir: Path, grace: float = 40.0) -> Iterator[None]:
+    """Whatever ends the block other than its own end - a signal (:mod:`moepipe.utils.interrupt`),
+    an error - stops every process of the deployment started in it: the server gracefully
+    (a second signal: at once), then the rest."""
+    try:
+        yield
+    except BaseException:
+        state = read_state(state_dir)
+        if state is not None:
+            terminate(state, grace, state_dir)
+        clear(state_dir)
+        raise
+
+
+def stop(state_dir: Path, grace: float | None = None) -> dict:
     """Stop the deployment's server and every process that belongs to it."""
-    state, recorded = locate(state_dir, repository)
-    repo = Path(state.repository) if state is not None and state.repository else repository
-    procs = processes.deployment_processes(repo, state.pid if state else None) if repo else []
+    state, recorded = locate(state_dir)
+    procs = processes.deployment_processes(state_dir)
     if state is None and not procs:
         (state_dir / STATE_FILE).unlink(missing_ok=True)
         raise ServerError("no server is recorded or running for this workdir", "nothing to stop")
@@ -256,9 +327,9 @@ def stop(state_dir: Path, repository: Path | None = None, grace: float | None = 
     running = state is not None and processes.alive(state.pid)
     if state is not None:
         graceful, forced, killed = terminate(
-            state, state.exit_timeout + 10 if grace is None else grace, repository)
+            state, state.exit_timeout + 10 if grace is None else grace, state_dir)
     else:
-        graceful, forced, killed = True, None, _leftovers(None, repository)
+        graceful, forced, killed = True, None, _kill_all(state_dir, None)
     (state_dir / STATE_FILE).unlink(missing_ok=True)
     pid = state.pid if state is not None else None
     return {"pid": pid, "was_running": running, "graceful": graceful, "forced": forced,

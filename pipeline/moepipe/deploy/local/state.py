@@ -11,6 +11,7 @@ from pathlib import Path
 from moepipe.errors import MoepipeError
 
 STATE_FILE = "server.json"
+SERVE_DIR = ".serve"  # `moepipe serve`'s state, beside the repository it serves
 
 
 class ServerError(MoepipeError):
@@ -34,6 +35,8 @@ class ServerState:
     restarts: int = 0  # how often the supervisor has restarted it
     max_restarts: int = 0
     models: dict[str, int] | None = None  # model instance -> backend stub pid, once ready
+    regions: list[str] | None = None  # its stubs' shared memory (removed after a kill)
+    ranks: dict[int, int] | None = None  # worker rank -> pid (a rank group's, else None)
 
     @property
     def http(self) -> str:
@@ -51,7 +54,8 @@ class ServerState:
         return {"running": running, "pid": self.pid, "http": self.http, "grpc": self.grpc,
                 "metrics": self.metrics, "repository": self.repository, "log": self.log,
                 "supervisor_pid": self.supervisor_pid, "restarts": self.restarts,
-                "max_restarts": self.max_restarts}
+                "max_restarts": self.max_restarts,
+                **({"ranks": {str(r): p for r, p in self.ranks.items()}} if self.ranks else {})}
 
 
 def read_state(state_dir: Path) -> ServerState | None:
@@ -59,7 +63,10 @@ def read_state(state_dir: Path) -> ServerState | None:
     if not path.is_file():
         return None
     try:
-        return ServerState(**json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        if data.get("ranks"):  # JSON keys are strings
+            data["ranks"] = {int(r): pid for r, pid in data["ranks"].items()}
+        return ServerState(**data)
     except (json.JSONDecodeError, TypeError):
         return None
 

@@ -8,6 +8,15 @@ cannot answer) and starts the server again, up to ``deploy.max_restarts`` times,
 ``2**n`` seconds (at most 10) before the n-th retry of a failed start. ``server.json`` always
 describes the current server (``restarts`` counts them); giving up is recorded in
 ``supervisor.json`` and shown by ``moepipe status``.
+
+SIGTERM, SIGHUP or SIGINT stop the deployment - gracefully, or at once on a second signal -
+also in the middle of a restart, and the supervisor exits with 128 + the signal's number; so
+does ``moepipe serve``'s :func:`foreground` watch.
+
+A worker rank that died (or left: rank 0 dissolves its group when it loses any rank) is not a
+reason to restart the server: rank 0 in the server keeps running, answers UNAVAILABLE and waits
+for the next group, so the supervisor kills the other workers and starts all of them again
+(one restart of the rank group, counted like a server restart).
 """
 
 from __future__ import annotations
@@ -24,10 +33,13 @@ from pathlib import Path
 
 from moepipe.deploy.local import processes
 from moepipe.deploy.local.binary import check_port, server_env
-from moepipe.deploy.local.lifecycle import dead_models, start, terminate
+from moepipe.deploy.local.lifecycle import clear, dead_models, guard, start, start_ranks, watch
+from moepipe.deploy.local.ranks import dead_ranks
 from moepipe.deploy.local.state import ServerError, ServerState, read_state, write_state
+from moepipe.utils import interrupt
 
-POLL_S = 0.5
+POLL_S = 0.2  # a lost worker rank is noticed within a second
+STARTUP_S = 60.0  # the supervisor's interpreter start, on a busy machine
 REFRESH_S = 5.0  # how often a healthy deployment's model processes are looked for again
 LOG = "supervisor.log"
 log = logging.getLogger("moepipe.supervisor")
@@ -41,9 +53,21 @@ def spawn(state_dir: Path, state: ServerState, max_restarts: int) -> ServerState
         proc = subprocess.Popen([sys.executable, "-m", processes.SUPERVISOR_MODULE,
                                  str(state_dir), state.repository],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=server_env(), start_new_session=True)
+                                env=processes.tagged(server_env(), state_dir),
+                                start_new_session=True)
     state.supervisor_pid = proc.pid
     write_state(state_dir, state)
+    # Until its signal handlers are installed a signal would end it without stopping the
+    # server: `moepipe deploy` returns (and leaves the deployment to it) once they are.
+    deadline = time.monotonic() + STARTUP_S
+    while not processes.catches(proc.pid, signal.SIGTERM):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            code = proc.poll()
+            proc.kill()
+            raise ServerError("the supervisor did not start" + (
+                f" (exit code {code})" if code is not None else f" within {STARTUP_S:.0f}s"),
+                f"see {state_dir / LOG}")
+        time.sleep(0.02)
     return state
 
 
@@ -52,20 +76,38 @@ def problem(state: ServerState) -> str | None:
     if not processes.alive(state.pid):
         return f"tritonserver (pid {state.pid}) exited"
     dead = dead_models(state)
-    return f"the backend process of model {dead[0]} died" if dead else None
+    if dead:
+        return f"the backend process of model {dead[0]} died"
+    lost = dead_ranks(state.ranks)
+    return f"worker {lost[0]} of the rank group exited" if lost else None
+
+
+def ranks_only(state: ServerState) -> bool:
+    """Whether only worker ranks died (the server and its models live on)."""
+    return processes.alive(state.pid) and not dead_models(state) \
+        and bool(dead_ranks(state.ranks))
+
+
+def restart_ranks(state_dir: Path, state: ServerState) -> ServerState:
+    """Start the rank group's workers again (the others killed first); rank 0 forms the next
+    group from them."""
+    processes.kill_all([p for p in processes.deployment_processes(state_dir)
+                        if p.kind == "rank"])
+    start_ranks(state, state_dir)
+    state.restarts += 1
+    write_state(state_dir, state)
+    return state
 
 
 def _record_new_models(state_dir: Path, state: ServerState) -> None:
     """Watch every model process of a healthy server, also one that was not visible when the
-    server became ready (seen after restarts: a model missing from the record could die
-    unnoticed)."""
-    stubs = {p.model: p.pid for p in processes.deployment_processes(state.repository, state.pid)
-             if p.kind == "stub" and p.model}
-    missing = {m: pid for m, pid in stubs.items() if m not in (state.models or {})}
-    if missing:
-        state.models = {**(state.models or {}), **missing}
+    server became ready."""
+    before = state.regions
+    new = watch(state_dir, state)
+    if new or state.regions != before:
         write_state(state_dir, state)
-        log.info("now watching %s", ", ".join(sorted(missing)))
+    if new:
+        log.info("now watching %s", ", ".join(new))
 
 
 def _wait_for_ports(state: ServerState, timeout: float = 15.0) -> None:
@@ -98,11 +140,21 @@ def restart(state_dir: Path, old: ServerState) -> ServerState:
 
 
 def run(state_dir: Path, repository: str) -> int:
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *a: stopping.append(True))
+    """Watch the deployment until it is stopped (0), or give up (1); a signal stops it (see
+    the module's docstring)."""
+    with guard(state_dir):
+        return _watch(state_dir, repository)
+
+
+def _watch(state_dir: Path, repository: str) -> int:
     attempts, cause = 0, None
     refreshed = 0.0
-    while not stopping:
+    # `spawn` records this supervisor right after starting it: wait for that record.
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline and (st := read_state(state_dir)) is not None and \
+            st.supervisor_pid is None:
+        time.sleep(0.05)
+    while True:
         state = read_state(state_dir)
         if state is None or state.repository != repository or \
                 state.supervisor_pid != os.getpid():
@@ -117,8 +169,12 @@ def run(state_dir: Path, repository: str) -> int:
             continue
         failed_at = time.time()
         cause = cause or why
+        if ranks_only(state) and state.restarts < state.max_restarts:
+            log.warning("%s; starting the rank group's workers again", why)
+            restart_ranks(state_dir, state)
+            continue
         log.warning("%s; stopping what is left of the deployment", why)
-        processes.kill_all(processes.deployment_processes(repository, state.pid))
+        _clear_but_record(state_dir, state)
         if state.restarts >= state.max_restarts:
             (state_dir / "supervisor.json").write_text(json.dumps(
                 {"gave_up": f"{cause}; gave up after {state.restarts} restart(s) "
@@ -140,16 +196,23 @@ def run(state_dir: Path, repository: str) -> int:
             state.restarts += 1
             state.pid = -1
             write_state(state_dir, state)
-    return 0
+
+
+def _clear_but_record(state_dir: Path, state: ServerState) -> None:
+    """Kill what is left of a failed server (and remove its shared memory), keeping the
+    record that the restart reads."""
+    clear(state_dir)
+    write_state(state_dir, state)
 
 
 def foreground(state_dir: Path, state: ServerState, max_restarts: int,
                echo: Callable[[str], None]) -> int:
     """``moepipe serve``: watch a server started in the foreground as the detached supervisor
     does - a dead server or model process gets the deployment killed and restarted, up to
-    ``max_restarts`` times - until Ctrl-C (exit 130) or giving up (exit 1)."""
+    ``max_restarts`` times - until giving up (exit 1, nothing left running). A signal stops
+    the deployment and is raised again (:class:`moepipe.utils.interrupt.Interrupted`)."""
     refreshed = time.monotonic()
-    try:
+    with guard(state_dir):
         while True:
             why = problem(state)
             if why is None:
@@ -158,11 +221,17 @@ def foreground(state_dir: Path, state: ServerState, max_restarts: int,
                     refreshed = time.monotonic()
                 time.sleep(POLL_S)
                 continue
-            processes.kill_all(processes.deployment_processes(state.repository, state.pid))
+            if ranks_only(state) and state.restarts < max_restarts:
+                echo(f"{why}; starting the rank group's workers again "
+                     f"({state.restarts + 1} of {max_restarts})")
+                state = restart_ranks(state_dir, state)
+                continue
             if state.restarts >= max_restarts:
+                clear(state_dir)
                 echo(f"{why}; gave up after {state.restarts} restart(s) (--max-restarts "
                      f"{max_restarts})")
                 return 1
+            _clear_but_record(state_dir, state)
             failed_at = time.monotonic()
             echo(f"{why}; restarting ({state.restarts + 1} of {max_restarts})")
             try:
@@ -172,14 +241,17 @@ def foreground(state_dir: Path, state: ServerState, max_restarts: int,
                 return 1
             echo(f"serving again after {time.monotonic() - failed_at:.1f}s "
                  f"(tritonserver pid {state.pid})")
-    except KeyboardInterrupt:
-        terminate(state, 40)
-        return 130
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s moepipe supervisor: %(message)s")
-    sys.exit(run(Path(sys.argv[1]), sys.argv[2]))
+    with interrupt.handled():
+        try:
+            code = run(Path(sys.argv[1]), sys.argv[2])
+        except interrupt.Interrupted as e:
+            log.warning("%s: stopped the deployment", e.line)
+            code = e.exit_code
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moepipe.deploy.render.targets import TARGETS, Artifacts
+from moepipe.deploy.render.targets import Artifacts, values_of
 from moepipe.deploy.render.templates import placeholders, render_tree, templates_root
 from moepipe.errors import ConfigError
 
@@ -59,7 +59,9 @@ def render_fallback(cfg: MoepipeConfig, art: Artifacts, fb_cfg: MoepipeConfig,
     for path in src.rglob("*"):
         if path.is_file() and path.suffix in (".pbtxt", ".yaml", ".sh", ".md"):
             used |= placeholders(path.read_text())
-    values = {**common, **TARGETS[cfg.target](fb_cfg, fb_art, out)}
+    values = {**common, **values_of(cfg.target)(fb_cfg, fb_art, out)}
+    if "world_size" in values:  # the small fallback runs in one process, every rank summed
+        values["world_size"] = "1"
     dst = repo / FALLBACK_MODEL
     render_tree([src], {k: v for k, v in values.items() if k in used}, dst)
     pbtxt = dst / "config.pbtxt"

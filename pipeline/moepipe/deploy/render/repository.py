@@ -15,15 +15,18 @@ from moepipe import __version__
 from moepipe.arch.hf import tokenizer_files
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster.operate import render_operations
+from moepipe.deploy.local.ranks import MANIFEST
 from moepipe.deploy.render import loadtest
 from moepipe.deploy.render.fallback import bls_values, render_fallback
-from moepipe.deploy.render.targets import TARGETS, Artifacts
+from moepipe.deploy.render.targets import SHIPPED, Artifacts, values_of
 from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, flag
 from moepipe.deploy.render.templates import check_repository, render_tree, templates_root
 from moepipe.errors import MoepipeError
+from moepipe.serving import core
 from moepipe.utils.fs import atomic_dir
 
-MANIFEST = "moepipe-deploy.json"
+# The serving core's folder beside each Python model (imported as ``serving_core``).
+SERVING_CORE = "serving_core"
 
 
 def common_values(cfg: MoepipeConfig, tokenizer_dir: Path, vocab_size: int) -> dict[str, str]:
@@ -55,23 +58,51 @@ def copy_tokenizer(model_dir: Path, dst: Path) -> None:
         shutil.copy2(path, dst / path.name)
 
 
+def ship_serving_core(repo: Path) -> list[Path]:
+    """Copy :mod:`moepipe.serving.core` into the version folder of every Python model of
+    ``repo`` (``<model>/1/model.py``) as ``serving_core``: the request/response rules every
+    model shares, which must run where moepipe is not installed (NVIDIA's containers).
+    Returns the folders written."""
+    src = Path(core.__file__).parent
+    written = []
+    for model_py in sorted(repo.glob("*/1/model.py")):
+        dst = model_py.parent / SERVING_CORE
+        dst.mkdir(exist_ok=True)
+        for path in sorted(src.glob("*.py")):
+            shutil.copy2(path, dst / path.name)
+        written.append(dst)
+    return written
+
+
+def ship_modules(modules: dict[str, str], out: Path) -> None:
+    """Copy each module's source file to its path under ``out``."""
+    import importlib
+
+    for rel, name in modules.items():
+        source = importlib.import_module(name).__file__
+        if source is None:
+            raise MoepipeError(f"module {name} has no source file to ship")
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, out / rel)
+
+
 def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True,
                       fallback: tuple[MoepipeConfig, Artifacts] | None = None) -> Path:
     """Write ``cfg.deploy_dir`` for ``cfg.target``; returns the model repository path.
     ``fallback``: the ``deploy.fallback`` pipeline's config and build (see
     :mod:`moepipe.deploy.render.fallback`)."""
     target = cfg.target
-    if target not in TARGETS:
-        raise MoepipeError(f"target '{target}' cannot be rendered yet")
+    target_values = values_of(target)
     out = cfg.deploy_dir
     out.parent.mkdir(parents=True, exist_ok=True)
     root = templates_root()
     with atomic_dir(out, overwrite=overwrite) as tmp:
         # Paths inside the files point at the final location, not the temporary one.
         values = common_values(cfg, out / "tokenizer", art.vocab_size)
-        values.update(TARGETS[target](cfg, art, out))
+        values.update(target_values(cfg, art, out))
         copy_tokenizer(art.model_dir, tmp / "tokenizer")
         render_tree([root / "common", root / "targets" / target], values, tmp)
+        ship_modules(SHIPPED.get(target, {}), tmp)
         repo = tmp / "model_repo"
         if fallback is not None:
             fb_cfg, fb_art = fallback
@@ -79,12 +110,13 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
                             common_values(fb_cfg, out / "tokenizer", fb_art.vocab_size), repo, out)
         for model in repo.iterdir():
             (model / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even empty
+        ship_serving_core(repo)
         configs = check_repository(repo)
         missing = {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing",
                    "tensorrt_llm_bls"} - configs.keys()
         if missing:
             raise MoepipeError(f"rendered repository lacks {', '.join(sorted(missing))}")
-        render_operations(cfg, art, tmp)
+        render_operations(cfg, tmp)
         loadtest.write(tmp / "locust", cfg)  # a load test in the users' own tool
         (tmp / MANIFEST).write_text(json.dumps(
             {"target": target, "moepipe": __version__, "values": values,

@@ -8,6 +8,7 @@ import functools
 
 import numpy as np
 
+from moepipe.targets import get_target
 from moepipe.validate import client
 from moepipe.validate.base import JobContext
 from moepipe.validate.report import JobResult, check
@@ -42,7 +43,9 @@ def accuracy(ctx: JobContext) -> JobResult:
         job.run(f"greedy_tokens_{i}", functools.partial(_compare, ep, cfg, tok, hf, eos, prompt))
     if v.min_token_agreement >= 1.0:
         job.run("ensemble_text", lambda: _text(ep, cfg, tok, hf, eos, v.prompts[0]))
-    if cfg.target == "cpu" and cfg.quantize.format != "none":
+    # Where moepipe's runtime serves the converted checkpoint, the served tokens are checked
+    # against that runtime on the same (quantized) checkpoint.
+    if get_target(cfg.target).artifact == "checkpoint" and cfg.quantize.format != "none":
         job.run("deployed_checkpoint", lambda: _deployed(ctx, tok, eos, v.prompts))
     return job
 

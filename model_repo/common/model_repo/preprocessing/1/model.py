@@ -10,18 +10,19 @@ cumulative end offsets padded with -1.
 """
 
 import json
+import os
+import sys
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serving_core.triton import error_response, flag, parameters  # noqa: E402 - shipped beside
+
 # Inputs of TensorRT-LLM's preprocessing for features moepipe's models do not have.
 UNSUPPORTED = {"DECODER_QUERY": "decoder_text_input is for encoder-decoder models",
                "PROMPT_TABLE_EXTRA_ID": "prompt_table_extra_id is for prompt tuning"}
-
-
-def _bool(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes")
 
 
 def _text(item) -> str:
@@ -31,10 +32,10 @@ def _text(item) -> str:
 class TritonPythonModel:
     def initialize(self, args):
         cfg = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in cfg["parameters"].items()}
+        params = parameters(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"],
                                                        trust_remote_code=False)
-        self.add_special_tokens = _bool(params.get("add_special_tokens", "false"))
+        self.add_special_tokens = flag(params.get("add_special_tokens"))
         self.vocab_size = int(params.get("vocab_size") or len(self.tokenizer))
         # A prompt longer than max_input_len tokens of the longest token (twice, for
         # normalizers that drop characters) is refused before tokenizing: a 40 MB prompt would
@@ -54,8 +55,7 @@ class TritonPythonModel:
             try:
                 responses.append(pb_utils.InferenceResponse(output_tensors=self._one(request)))
             except ValueError as e:
-                error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
-                responses.append(pb_utils.InferenceResponse(error=error))
+                responses.append(error_response(pb_utils, e))
         return responses
 
     def _one(self, request):

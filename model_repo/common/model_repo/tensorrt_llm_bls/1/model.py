@@ -7,7 +7,9 @@ tensorrt_llm becomes one response here, its text decoded by postprocessing (``te
 shape [beams]) and its other outputs (``batch_index``, logits, ...) passed on. In decoupled mode
 each request runs on a worker thread so ``execute`` returns at once; with ``accumulate_tokens``
 the streamed text is decoded from all tokens of the row so far (multi-byte characters are never
-split). Needs only numpy.
+split). Needs only numpy. A composing model's error reaches this model as INTERNAL whatever its
+code (the Python backend drops it); a busy refusal is passed on as UNAVAILABLE again
+(``serving_core.triton.restore_code``).
 """
 
 import json
@@ -22,8 +24,9 @@ import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overload  # noqa: E402 - beside this file; the model runs without moepipe installed
+from serving_core.responses import FINAL, Last  # noqa: E402 - shipped beside this file
+from serving_core.triton import error_response, flag, parameters, restore_code  # noqa: E402
 
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How often a decoupled request's client is asked whether it cancelled (or went away).
 CANCEL_POLL_S = 0.25
 
@@ -69,9 +72,9 @@ UNSUPPORTED = {"image_input": "multimodal models", "image_bytes_input": "multimo
 class TritonPythonModel:
     def initialize(self, args):
         cfg = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in cfg["parameters"].items()}
+        params = parameters(cfg)
         self.llm = params.get("tensorrt_llm_model_name", "tensorrt_llm")
-        self.accumulate = params.get("accumulate_tokens", "false").lower() == "true"
+        self.accumulate = flag(params.get("accumulate_tokens"))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
         self.pool = ThreadPoolExecutor(max_workers=64) if self.decoupled else None
         self.policy = None
@@ -94,7 +97,7 @@ class TritonPythonModel:
             return None
         responses = []
         for request in requests:
-            sink = _Last()
+            sink = Last()
             self._run(request, sink)
             responses.append(sink.response)
         return responses
@@ -113,13 +116,10 @@ class TritonPythonModel:
                 sender.send(response)
             sender.send(flags=FINAL)
         except _Failed as e:
-            sender.send(pb_utils.InferenceResponse(error=e.error), flags=FINAL)
-        except ValueError as e:  # a request moepipe refuses
-            error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
-            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
-        except Exception as e:  # keep the server up and tell the client
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
+            sender.send(pb_utils.InferenceResponse(error=restore_code(pb_utils, e.error)),
                         flags=FINAL)
+        except Exception as e:  # a request moepipe refuses (ValueError) or a bug: the client
+            sender.send(error_response(pb_utils, e), flags=FINAL)  # hears, the server lives
         finally:
             done.set()
 
@@ -221,13 +221,3 @@ def _check(response):
     if response.has_error():
         raise _Failed(response.error())
     return response
-
-
-class _Last:
-    """Keeps the last response (non-decoupled mode answers once)."""
-
-    response = None
-
-    def send(self, response=None, flags=0):
-        if response is not None:
-            self.response = response

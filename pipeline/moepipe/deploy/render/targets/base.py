@@ -21,9 +21,6 @@ class Artifacts:
     engine_dir: Path | None = None  # trtllm-engine
     hf_serving_dir: Path | None = None  # trtllm-pytorch (HF or unified quantized checkpoint)
     vocab_size: int = 0
-    # Host memory of one serving pod from the planner (moepipe.planner.pods), in MiB; None:
-    # estimated from the built files (moepipe.deploy.cluster.operate.memory_estimate_mib).
-    pod_memory_mib: int | None = None
 
 
 # TensorRT-LLM logits_dtype -> Triton data type of context_logits / generation_logits.

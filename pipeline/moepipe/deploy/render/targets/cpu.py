@@ -22,4 +22,14 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
         "max_input_len": str(cfg.build.max_input_len),
         "exclude_input_in_output": flag(cfg.deploy.exclude_input_in_output),
         "cpu_threads": str(cfg.deploy.cpu_threads),
+        # the rank group (world size > 1): workers connect to the leader, rank 0 in this model
+        "world_size": str(cfg.parallel.to_mapping().world_size),
+        "rank_listen": rank_address(cfg.deploy.host, cfg.deploy.rank_port),
+        "collective_timeout_s": f"{cfg.deploy.collective_timeout_s:g}",
+        "rank_form_timeout_s": f"{cfg.deploy.ready_timeout_s:g}",
     }
+
+
+def rank_address(host: str, port: int) -> str:
+    """host:port (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -24,10 +24,12 @@ exclude_input_in_output         ``deploy.exclude_input_in_output``
 deploy_dir                      ``cfg.deploy_dir`` (launch.sh serves ``<deploy_dir>/model_repo``)
 world_size, tp_size, pp_size    ``parallel`` resolved by :class:`moepipe.mapping.Mapping`;
                                 world_size = tp x pp
-host, http_port, grpc_port,     ``deploy.<same name>``
+host, http_port, grpc_port,     ``deploy.<same name>`` (launch.sh's message)
 metrics_port
-exit_timeout_secs               ``deploy.exit_timeout_s``
 tritonserver                    ``deploy.tritonserver``, else ``tritonserver`` from PATH
+mpi_ranks                       every rank's flags:
+                                :meth:`moepipe.deploy.tritonserver.ServerCommand.mpi_ranks`
+raise_stack                     :data:`moepipe.deploy.tritonserver.RAISE_STACK`
 trtllm_container                :data:`moepipe.trtllm.versions.TRITON_TRTLLM_CONTAINER` (messages)
 =============================== ==============================================================
 
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, Artifacts, flag, quotable
+from moepipe.deploy.tritonserver import RAISE_STACK, ServerCommand
 from moepipe.errors import CheckpointError, MappingError
 from moepipe.trtllm.engine import check_engine_version, engine_world_size
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
@@ -123,7 +126,9 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
         "http_port": str(d.http_port),
         "grpc_port": str(d.grpc_port),
         "metrics_port": str(d.metrics_port),
-        "exit_timeout_secs": str(d.exit_timeout_s),
         "tritonserver": quotable(str(d.tritonserver or "tritonserver"), "deploy.tritonserver"),
+        "mpi_ranks": ServerCommand.of(cfg, out.resolve() / "model_repo")
+        .mpi_ranks('"$TRITONSERVER"', '"$WORLD_SIZE"'),
+        "raise_stack": RAISE_STACK,
         "trtllm_container": TRITON_TRTLLM_CONTAINER,
     }

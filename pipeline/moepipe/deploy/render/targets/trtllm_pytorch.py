@@ -27,6 +27,11 @@ trtllm_container                :data:`moepipe.trtllm.versions.TRITON_TRTLLM_CON
                                 model.py raises where tensorrt_llm is missing)
 trtllm_version                  :data:`moepipe.trtllm.versions.TRTLLM_ENGINE_VERSION` (warns
                                 model.py when another version is installed)
+expert_statistic_iters, _path   ``deploy.trtllm.expert_statistic`` as TensorRT-LLM's
+                                ``EXPERT_STATISTIC_ITER_RANGE`` and the folder
+                                (``<workdir>/expert-statistic``); empty when off. model.py sets
+                                them where the server's environment lacks them and exports the
+                                counts (:mod:`moepipe.trtllm.expert_statistic`, shipped beside it)
 =============================== ==============================================================
 
 The ``triton_config`` block of model.yaml mirrors config.pbtxt's max_batch_size and decoupled
@@ -43,6 +48,7 @@ import yaml
 
 from moepipe.deploy.render.targets.base import Artifacts, flag, quotable
 from moepipe.mapping import Mapping
+from moepipe.trtllm.expert_statistic import ENV_ITER_RANGE, ENV_PATH, environment
 from moepipe.trtllm.load_balancer import read_placement
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER, TRTLLM_ENGINE_VERSION
 
@@ -78,7 +84,17 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
         "exclude_input_in_output": flag(cfg.deploy.exclude_input_in_output),
         "trtllm_container": TRITON_TRTLLM_CONTAINER,
         "trtllm_version": TRTLLM_ENGINE_VERSION,
+        **_expert_statistic(cfg),
     }
+
+
+def _expert_statistic(cfg: MoepipeConfig) -> dict[str, str]:
+    window = cfg.deploy.trtllm.expert_statistic
+    if window is None:
+        return {"expert_statistic_iters": "", "expert_statistic_path": ""}
+    env = environment(window.start, window.stop, str(cfg.expert_statistic_dir))
+    return {"expert_statistic_iters": env[ENV_ITER_RANGE],
+            "expert_statistic_path": quotable(env[ENV_PATH], "workdir")}
 
 
 def _load_balancer(cfg: MoepipeConfig, mapping: Mapping) -> str:

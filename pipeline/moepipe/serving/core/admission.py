@@ -1,27 +1,19 @@
-"""The cpu target's bounded queue: how many requests may wait for a KV-cache slot, and for how
-long, before the engine sheds them as busy.
+"""The bounded queue of a Python ``tensorrt_llm`` model: how many generations may wait for a
+slot, and for how long, before the engine sheds them as busy.
 
 A burst beyond capacity is refused at once instead of queueing without limit. The answers use
-Triton's own queue-policy wording and status (UNAVAILABLE, HTTP 503), so clients and
+Triton's own queue-policy wording and code (UNAVAILABLE; ``errors``), so clients and
 ``moepipe validate`` recognise them as "busy" exactly as they recognise Triton's dynamic
-batcher: "Exceeds maximum queue size" when the queue is full
-(triton-inference-server/core src/scheduler_utils.cc ``PolicyQueue::Enqueue``) and "Request
-timeout expired" when a request waited longer than the queue timeout
-(src/dynamic_batch_scheduler.cc). TensorRT-LLM's executor bounds the same thing, the requests
-not yet scheduled (cpp/tensorrt_llm/executor/executorImpl.cpp ``enqueueRequests``: "Maximum
-queue size of N has been reached").
+batcher. TensorRT-LLM's executor bounds the same thing, the requests not yet scheduled
+(cpp/tensorrt_llm/executor/executorImpl.cpp ``enqueueRequests``). The cpu engine holds its
+requests here (``moepipe.serving.batcher``), the trtllm-pytorch model its generations.
 """
 
 from __future__ import annotations
 
 import threading
 
-QUEUE_FULL = "Exceeds maximum queue size"
-QUEUE_TIMEOUT = "Request timeout expired"
-
-
-class Busy(RuntimeError):
-    """A request shed because the server is at capacity (answered as UNAVAILABLE)."""
+from .errors import QUEUE_FULL, QUEUE_TIMEOUT, Busy
 
 
 class Admission:

@@ -5,7 +5,8 @@ becomes response tensors, as NVIDIA/TensorRT-LLM's backend does it:
 ``triton_backend/inflight_batcher_llm/src/utils.cc`` (``createRequestsFromInputTensors``),
 ``src/model_instance_state.cc`` (``enqueue``, ``handleStopRequest``, ``fillTritonResponse``) and
 the Python variant ``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/1/model.py``.
-Pure numpy, so unit tests run it without a server; the cpu target's Triton model calls it.
+What an engine behind a Python model can honour is declared per target (``Features``): an
+input it cannot honour is refused by name instead of being ignored.
 """
 
 from __future__ import annotations
@@ -14,39 +15,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moepipe.serving.request import RequestError
+from .errors import (  # noqa: F401 (the contract)
+    ERR_BATCH_NOT_DECOUPLED,
+    ERR_STOP_WITHOUT_ID,
+    ERR_STREAMING_NOT_DECOUPLED,
+    RequestError,
+)
 
-# Upstream's error texts (C++ backend), verbatim: clients see the same errors on every target.
-ERR_BATCH_NOT_DECOUPLED = ("Batch size > 1 requires the tensorrt_llm backend to be using "
-                           "decoupled transaction policy")
-ERR_STREAMING_NOT_DECOUPLED = ("Streaming is only supported if model is deployed using "
-                               "decoupled mode.")
-ERR_STOP_WITHOUT_ID = "Trying to stop a request but request ID is not provided"
-
+_ENCODER = "encoder-decoder models"
+_DRAFT = "speculative decoding"
+_PTUNING = "prompt tuning (p-tuning / multimodal embeddings)"
+_LORA = "LoRA adapters"
 # Inputs TensorRT-LLM declares that the cpu target accepts (so Triton never answers "unexpected
 # inference input") but cannot honour: a non-empty one is refused, naming what it is for.
 UNSUPPORTED = {
-    "encoder_input_features": "encoder-decoder models",
-    "encoder_output_lengths": "encoder-decoder models",
-    "decoder_input_ids": "encoder-decoder models",
-    "decoder_input_lengths": "encoder-decoder models",
-    "cross_attention_mask": "encoder-decoder models",
-    "skip_cross_attn_blocks": "encoder-decoder models",
-    "draft_input_ids": "speculative decoding",
-    "draft_logits": "speculative decoding",
-    "prompt_embedding_table": "prompt tuning (p-tuning / multimodal embeddings)",
-    "prompt_table_extra_ids": "prompt tuning (p-tuning / multimodal embeddings)",
-    "prompt_vocab_size": "prompt tuning (p-tuning / multimodal embeddings)",
-    "mrope_rotary_cos_sin": "multimodal M-RoPE",
-    "mrope_position_deltas": "multimodal M-RoPE",
-    "lora_task_id": "LoRA adapters",
-    "lora_weights": "LoRA adapters",
-    "lora_config": "LoRA adapters",
+    "encoder_input_features": _ENCODER, "encoder_output_lengths": _ENCODER,
+    "decoder_input_ids": _ENCODER, "decoder_input_lengths": _ENCODER,
+    "cross_attention_mask": _ENCODER, "skip_cross_attn_blocks": _ENCODER,
+    "draft_input_ids": _DRAFT, "draft_logits": _DRAFT,
+    "prompt_embedding_table": _PTUNING, "prompt_table_extra_ids": _PTUNING,
+    "prompt_vocab_size": _PTUNING,
+    "mrope_rotary_cos_sin": "multimodal M-RoPE", "mrope_position_deltas": "multimodal M-RoPE",
+    "lora_task_id": _LORA, "lora_weights": _LORA, "lora_config": _LORA,
     "context_phase_params": "disaggregated serving",
-    "guided_decoding_guide_type": "guided decoding",
-    "guided_decoding_guide": "guided decoding",
-    "lookahead_window_size": "lookahead decoding",
-    "lookahead_ngram_size": "lookahead decoding",
+    "guided_decoding_guide_type": "guided decoding", "guided_decoding_guide": "guided decoding",
+    "lookahead_window_size": "lookahead decoding", "lookahead_ngram_size": "lookahead decoding",
     "lookahead_verification_set_size": "lookahead decoding",
 }
 # Accepted and without effect here, as in TensorRT-LLM when their feature is off: beam-search
@@ -57,6 +50,29 @@ NO_EFFECT = ("len_penalty", "early_stopping", "beam_search_diversity_rate",
              "retention_token_range_starts", "retention_token_range_ends",
              "retention_token_range_priorities", "retention_token_range_durations_ms",
              "retention_decode_priority", "retention_decode_duration_ms")
+
+
+@dataclass(frozen=True)
+class Features:
+    """What the engine behind a Python ``tensorrt_llm`` model honours."""
+
+    target: str
+    unsupported: dict[str, str]  # input -> what it is for; refused when given (non-empty)
+    beam_search: bool = False
+    streaming_beams: bool = False  # streaming with beam_width > 1
+    return_sequences: bool = True  # num_return_sequences > 1
+    top_p_decay: bool = False  # runtime_top_p_decay != 1
+
+
+# The reference runtime (moepipe.runtime): one beam, every output of the contract.
+CPU = Features("cpu", UNSUPPORTED)
+# TensorRT-LLM's LLM API as the trtllm-pytorch model drives it: beams, but no logits or perf
+# metrics mapped from its results, and one sequence per request.
+TRTLLM_PYTORCH = Features("trtllm-pytorch", {
+    **UNSUPPORTED, "return_context_logits": "context logits",
+    "return_generation_logits": "generation logits",
+    "return_perf_metrics": "per-request perf metrics"},
+    beam_search=True, return_sequences=False)
 
 
 @dataclass
@@ -80,6 +96,7 @@ class Row:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    len_penalty: float | None = None
     stop_words: list[list[int]] = field(default_factory=list)
     bad_words: list[list[int]] = field(default_factory=list)
     embedding_bias: np.ndarray | None = None
@@ -89,6 +106,7 @@ class Row:
     return_perf_metrics: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    given: frozenset[str] = frozenset()  # the inputs the request set (a default is not "set")
 
 
 def is_stop(inputs: dict[str, np.ndarray]) -> bool:
@@ -119,6 +137,8 @@ class _Inputs:
     def __init__(self, inputs: dict[str, np.ndarray], batch_size: int):
         self.batch_size = batch_size
         self.arrays = {k: np.asarray(v) for k, v in inputs.items() if np.asarray(v).size}
+        if batch_size == 1:  # a bare scalar of a one-row request is that row's value
+            self.arrays = {k: v.reshape(1) if v.ndim == 0 else v for k, v in self.arrays.items()}
         for name, arr in self.arrays.items():
             if arr.ndim == 0 or arr.shape[0] != batch_size:
                 got = arr.shape[0] if arr.ndim else 0
@@ -138,9 +158,40 @@ class _Inputs:
         return kind(arr.reshape(-1)[0])
 
 
-def parse(inputs: dict[str, np.ndarray], *, decoupled: bool,
-          exclude_default: bool) -> list[Row]:
-    """The rows of one request, validated as TensorRT-LLM's backend validates them."""
+def _refuse_unhonoured(t: _Inputs, features: Features, decoupled: bool) -> None:
+    for name, what in features.unsupported.items():
+        if name in t.arrays and (t.arrays[name].dtype != np.bool_ or t.arrays[name].any()):
+            raise RequestError(f"{name} is not supported by the {features.target} target: it "
+                               f"is for {what} (serve it on trtllm-engine)")
+    for b in range(t.batch_size):
+        beam = t.scalar("beam_width", b, 1, int)
+        if beam < 1:
+            raise RequestError(f"beam_width must be >= 1, got {beam}")
+        if beam > 1 and not features.beam_search:
+            raise RequestError(f"beam_width {beam}: beam search is not supported by the "
+                               f"{features.target} target (it is on trtllm-engine, "
+                               "build.max_beam_width)")
+        if beam > 1 and t.scalar("streaming", b, False, bool) and not features.streaming_beams:
+            raise RequestError(f"streaming with beam_width {beam} is not supported by the "
+                               f"{features.target} target")
+        sequences = t.scalar("num_return_sequences", b, 1, int)
+        if sequences < 1:
+            raise RequestError(f"num_return_sequences must be >= 1, got {sequences}")
+        if sequences > 1 and not features.return_sequences:
+            raise RequestError(f"num_return_sequences > 1 is not supported by the "
+                               f"{features.target} target")
+        if sequences > 1 and not decoupled:
+            raise RequestError("num_return_sequences > 1 sends one response per sequence, "
+                               "which needs decoupled mode (deploy.decoupled: true)")
+        if t.scalar("runtime_top_p_decay", b, 1.0) != 1.0 and not features.top_p_decay:
+            raise RequestError(f"runtime_top_p_decay is not supported by the "
+                               f"{features.target} target")
+
+
+def parse(inputs: dict[str, np.ndarray], *, decoupled: bool, exclude_default: bool,
+          features: Features = CPU) -> list[Row]:
+    """The rows of one request, validated as TensorRT-LLM's backend validates them; what
+    ``features`` does not honour is refused by name."""
     ids = inputs.get("input_ids")
     if ids is None or np.asarray(ids).size == 0:
         raise RequestError("input_ids is not present in the request.")
@@ -151,12 +202,10 @@ def parse(inputs: dict[str, np.ndarray], *, decoupled: bool,
     if batch > 1 and not decoupled:
         raise RequestError(ERR_BATCH_NOT_DECOUPLED)
     t = _Inputs(inputs, batch)
-    for name, what in UNSUPPORTED.items():
-        if name in t.arrays:
-            raise RequestError(f"{name} is for {what}, which the cpu target does not support "
-                               "(serve it on trtllm-engine)")
     if "request_output_len" not in t.arrays:
         raise RequestError("request_output_len is not present in the request")
+    _refuse_unhonoured(t, features, decoupled)
+    given = frozenset(t.arrays)
     rows = []
     for b in range(batch):
         length = t.scalar("input_lengths", b, ids.shape[1], int)
@@ -166,27 +215,21 @@ def parse(inputs: dict[str, np.ndarray], *, decoupled: bool,
         streaming = bool(t.scalar("streaming", b, False, bool))
         if streaming and not decoupled:
             raise RequestError(ERR_STREAMING_NOT_DECOUPLED)
-        beam = t.scalar("beam_width", b, 1, int)
-        if beam != 1:
-            raise RequestError(f"beam_width {beam}: beam search is not supported by the cpu "
-                               "target (it is on trtllm-engine, build.max_beam_width)")
-        num_seq = t.scalar("num_return_sequences", b, 1, int)
-        if num_seq < 1:
-            raise RequestError(f"num_return_sequences must be >= 1, got {num_seq}")
-        decay = t.scalar("runtime_top_p_decay", b, 1.0)
-        if decay != 1.0:
-            raise RequestError("runtime_top_p_decay is not supported by the cpu target")
         bias = t.row("embedding_bias", b)
+
+        def flag(name, default=False, b=b):
+            return bool(t.scalar(name, b, default, bool))
+
         rows.append(Row(
             batch_index=b,
             prompt=[int(x) for x in ids[b, :length]],
             max_new_tokens=t.scalar("request_output_len", b, 0, int),
             streaming=streaming,
-            exclude_input=bool(t.scalar("exclude_input_in_output", b, exclude_default, bool)),
+            exclude_input=flag("exclude_input_in_output", exclude_default),
             end_id=t.scalar("end_id", b, None, int),
             pad_id=t.scalar("pad_id", b, None, int),
-            beam_width=beam,
-            num_return_sequences=num_seq,
+            beam_width=t.scalar("beam_width", b, 1, int),
+            num_return_sequences=t.scalar("num_return_sequences", b, 1, int),
             temperature=t.scalar("temperature", b, None, float),
             top_k=t.scalar("runtime_top_k", b, 0, int),
             top_p=t.scalar("runtime_top_p", b, 0.0, float),
@@ -195,23 +238,46 @@ def parse(inputs: dict[str, np.ndarray], *, decoupled: bool,
             repetition_penalty=t.scalar("repetition_penalty", b, 1.0, float),
             presence_penalty=t.scalar("presence_penalty", b, 0.0, float),
             frequency_penalty=t.scalar("frequency_penalty", b, 0.0, float),
+            len_penalty=t.scalar("len_penalty", b, None, float),
             stop_words=word_list(t.row("stop_words_list", b)),
             bad_words=word_list(t.row("bad_words_list", b)),
             embedding_bias=None if bias is None else bias.reshape(-1).astype(np.float32),
-            return_log_probs=bool(t.scalar("return_log_probs", b, False, bool)),
-            return_context_logits=bool(t.scalar("return_context_logits", b, False, bool)),
-            return_generation_logits=bool(t.scalar("return_generation_logits", b, False,
-                                                   bool)),
-            return_perf_metrics=bool(t.scalar("return_perf_metrics", b, False, bool)),
-            return_num_input_tokens=bool(t.scalar("return_num_input_tokens", b, False, bool)),
-            return_num_output_tokens=bool(t.scalar("return_num_output_tokens", b, False,
-                                                   bool))))
+            return_log_probs=flag("return_log_probs"),
+            return_context_logits=flag("return_context_logits"),
+            return_generation_logits=flag("return_generation_logits"),
+            return_perf_metrics=flag("return_perf_metrics"),
+            return_num_input_tokens=flag("return_num_input_tokens"),
+            return_num_output_tokens=flag("return_num_output_tokens"),
+            given=given))
     return rows
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a row samples, as TensorRT-LLM reads its inputs."""
+
+    temperature: float  # 0: greedy
+    top_k: int  # 0: no top-k filter
+    top_p: float  # 1.0: no top-p filter
+    seed: int
+
+
+def sampling(row: Row, sequence: int = 0) -> Sampling:
+    """TensorRT-LLM decodes greedily unless runtime_top_k > 1 or runtime_top_p > 0 asks for
+    sampling (temperature 0 or top_k 1 is greedy as well); temperature defaults to 1. Each
+    returned sequence samples its own stream (seed + its index)."""
+    seed = row.seed + sequence
+    if row.top_k == 0 and row.top_p <= 0:
+        return Sampling(0.0, 0, 1.0, seed)
+    temperature = 1.0 if row.temperature is None else row.temperature
+    return Sampling(temperature, row.top_k, row.top_p if row.top_p > 0 else 1.0, seed)
 
 
 @dataclass
 class Result:
-    """What one response of one row carries (tokens already with the prompt when included)."""
+    """What one response of one row carries (tokens already with the prompt when included).
+    With beam search, ``beams`` holds every beam's (tokens, log_probs, cum_log_prob); the
+    fields above are then beam 0's."""
 
     tokens: list[int]
     log_probs: list[float] = field(default_factory=list)
@@ -219,6 +285,7 @@ class Result:
     context_logits: np.ndarray | None = None  # [prompt_len, vocab]
     generation_logits: np.ndarray | None = None  # [steps, vocab]
     perf: dict[str, int | float] | None = None
+    beams: list[tuple[list[int], list[float], float]] | None = None
 
 
 PERF_OUTPUTS = {  # name -> numpy dtype (model_instance_state.cc processStats)
@@ -229,17 +296,24 @@ PERF_OUTPUTS = {  # name -> numpy dtype (model_instance_state.cc processStats)
     "total_accepted_draft_tokens": np.int32, "total_draft_tokens": np.int32}
 
 
+def _padded(rows: list[list], pad, dtype) -> np.ndarray:
+    width = max((len(r) for r in rows), default=0)
+    return np.array([[r + [pad] * (width - len(r)) for r in rows]], dtype).reshape(
+        1, len(rows), width)
+
+
 def response_arrays(row: Row, result: Result, *, batch_size: int, sequence_index: int,
                     logits_dtype=np.float32) -> dict[str, np.ndarray]:
     """Output tensors of one response, shaped as ``fillTritonResponse`` shapes them: a leading
-    batch dimension of 1, then beams (always 1 here)."""
-    n = len(result.tokens)
+    batch dimension of 1, then beams (beams shorter than the longest are padded with the
+    request's pad id, else 0)."""
+    beams = result.beams or [(result.tokens, result.log_probs, result.cum_log_prob)]
     out: dict[str, np.ndarray] = {
-           "output_ids": np.array(result.tokens, np.int32).reshape(1, 1, n),
-           "sequence_length": np.array([[n]], np.int32)}
+        "output_ids": _padded([list(b[0]) for b in beams], row.pad_id or 0, np.int32),
+        "sequence_length": np.array([[len(b[0]) for b in beams]], np.int32)}
     if row.return_log_probs:
-        out["cum_log_probs"] = np.array([[result.cum_log_prob]], np.float32)
-        out["output_log_probs"] = np.array(result.log_probs, np.float32).reshape(1, 1, -1)
+        out["cum_log_probs"] = np.array([[b[2] for b in beams]], np.float32)
+        out["output_log_probs"] = _padded([list(b[1]) for b in beams], 0.0, np.float32)
     if result.context_logits is not None:
         out["context_logits"] = result.context_logits.astype(logits_dtype)[None]
     if result.generation_logits is not None:
@@ -251,7 +325,7 @@ def response_arrays(row: Row, result: Result, *, batch_size: int, sequence_index
     if row.return_num_input_tokens:
         out["num_input_tokens"] = np.array([[len(row.prompt)]], np.int32)
     if row.return_num_output_tokens:  # every id in output_ids, as upstream counts them
-        out["num_output_tokens"] = np.array([[n]], np.int32)
+        out["num_output_tokens"] = np.array([[len(beams[0][0])]], np.int32)
     if row.return_perf_metrics and result.perf is not None:
         for name, dtype in PERF_OUTPUTS.items():
             out[name] = np.array([[result.perf[name]]], dtype)

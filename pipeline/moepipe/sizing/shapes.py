@@ -1,11 +1,12 @@
-"""Every weight of a MoE model from its ``config.json`` alone, and what one GPU holds of it.
+"""Every weight of a MoE model, and what one GPU holds of it: the one sizing model.
 
-The planner needs exact bytes for models moepipe may not convert yet (DeepSeek-V3's MLA, dense
-first layers, sigmoid-routing bias), so it reads the published ``config.json`` itself: one
-:class:`ModelShape` per model, and :meth:`ModelShape.tensors` lists every tensor of a decoder
-layer as TensorRT-LLM's checkpoint holds it (q/k/v fused, experts stacked ``[E, 2I, H]`` with
-up|gate fused), each with the rule that shards it. For the families moepipe converts the
-per-rank bytes equal the converter's plan exactly (tests compare them for every legal mapping).
+A :class:`ModelShape` is built from arch's normalised :class:`~moepipe.arch.spec.ModelSpec`
+(:func:`shape_of`; :func:`model_shape` from a ``config.json`` alone, published configs plan
+without weights), and :meth:`ModelShape.layer_tensors` lists every tensor of a decoder layer as
+TensorRT-LLM's checkpoint holds it (q/k/v fused, experts stacked ``[E, 2I, H]`` with up|gate
+fused, DeepSeek's MLA projections and dense first layers), each with the rule that shards it.
+The per-rank bytes equal the converter's plan exactly (tests compare them for every legal
+mapping); the planner, the engine's GPU estimate and the pods' host memory all count with it.
 
 Sharding (TensorRT-LLM 1.2, ``tensorrt_llm/mapping.py`` and the model's ``convert.py``):
 
@@ -19,16 +20,25 @@ Sharding (TensorRT-LLM 1.2, ``tensorrt_llm/mapping.py`` and the model's ``conver
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from moepipe.arch.bounds import check_shape
-from moepipe.errors import CheckpointError, UnsupportedError
+from moepipe.arch import get_family
+from moepipe.arch.mla import DeepseekSpec
+from moepipe.arch.rules import RankContext
+from moepipe.checkpoints.dtypes import BY_TORCH_NAME, itemsize
+from moepipe.errors import CheckpointError
+from moepipe.mapping import Mapping
+from moepipe.utils.fs import read_json
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+if TYPE_CHECKING:
+    from moepipe.arch.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,8 @@ class ModelShape:
     dense_bias: bool = False  # attention output bias (GPT-OSS)
     expert_bias: bool = False  # routed experts' fc / proj biases (GPT-OSS)
     router_bias: bool = False  # the router's own bias (GPT-OSS)
+    # The spec it was made from (the family's own checks read it).
+    spec: ModelSpec | None = field(default=None, compare=False, repr=False)
 
     @property
     def mla(self) -> bool:
@@ -208,14 +220,28 @@ class ModelShape:
         DeepSeek's multi-token-prediction layer excluded, as transformers loads it)."""
         return _parameters(self)
 
+    def largest_layer_parameters(self) -> int:
+        """Parameters of the largest decoder layer, as its Hugging Face checkpoint counts them
+        (what layer-by-layer quantization holds at once: :mod:`moepipe.quant.memory`)."""
+        return max(sum(math.prod(t.shape) * t.experts for t in self.layer_tensors(i)
+                       if not t.derived) for i in range(self.num_layers))
+
     def active_parameters(self) -> int:
         """Parameters one token passes through: top_k of the routed experts."""
         per_expert = 3 * self.hidden_size * self.expert_intermediate_size
         return self.parameters() - self.moe_layers * (self.num_experts - self.top_k) * per_expert
 
+    def dense(self) -> ModelShape:
+        """The dense model of the same parameters: one expert as wide as all of them, which
+        every token passes through (the router's ``E x hidden`` weights aside)."""
+        return dataclasses.replace(
+            self, name=f"{self.name} (dense)", num_experts=1, top_k=1,
+            expert_intermediate_size=self.num_experts * self.expert_intermediate_size,
+            routing_bias=False, router_bias=False)
+
     def largest_tensor_bytes(self) -> int:
         """Largest single tensor of the Hugging Face checkpoint (per expert matrix)."""
-        b = DTYPE_BYTES[self.dtype]
+        b = itemsize(self.dtype)
         return max(math.prod(t.shape) for t in self.all_tensors()) * b
 
 
@@ -224,162 +250,84 @@ def _parameters(model: ModelShape) -> int:
     return sum(math.prod(t.shape) * t.experts for t in model.all_tensors() if not t.derived)
 
 
-# -- reading config.json --------------------------------------------------------------------
+# -- from arch's ModelSpec ------------------------------------------------------------------
 
-def _get(cfg: dict[str, Any], where: str, *keys: str, default: Any = KeyError) -> Any:
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    if default is KeyError:
-        raise CheckpointError(f"{where}: missing '{keys[0]}'",
-                              "is this a complete Hugging Face config.json of a MoE model?")
-    return default
-
-
-def _dtype(cfg: dict[str, Any]) -> str:
-    d = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
-    return d if d in DTYPE_BYTES else "bfloat16"
-
-
-def _numbers(cfg: dict[str, Any], where: str, keys: dict[str, tuple[str, ...]],
-             required: tuple[str, ...]) -> dict[str, Any]:
-    """Normalised name -> the first of ``keys[name]`` the config gives (None when none),
-    checked once by :func:`moepipe.arch.bounds.check_shape` (the check every stage shares)."""
-    values: dict[str, Any] = {}
-    names: dict[str, str] = {}
-    for name, candidates in keys.items():
-        values[name] = _get(cfg, where, *candidates,
-                            default=KeyError if name in required else None)
-        names[name] = next((k for k in candidates if cfg.get(k) is not None), candidates[0])
-    return check_shape(values, where, names)
-
-
-_GQA_KEYS = {"num_layers": ("num_hidden_layers",), "hidden_size": ("hidden_size",),
-             "num_heads": ("num_attention_heads",), "num_kv_heads": ("num_key_value_heads",),
-             "head_dim": ("head_dim",), "vocab_size": ("vocab_size",),
-             "num_experts": ("num_local_experts", "num_experts"),
-             "top_k": ("num_experts_per_tok",),
-             "max_position_embeddings": ("max_position_embeddings",),
-             "decoder_sparse_step": ("decoder_sparse_step",),
-             "mlp_only_layers": ("mlp_only_layers",)}
-_GQA_REQUIRED = ("num_layers", "hidden_size", "num_heads", "vocab_size", "num_experts", "top_k")
-
-
-def _gqa(cfg: dict[str, Any], where: str, name: str, arch: str, expert_key: str,
-         shared_key: str | None = None, **extra: Any) -> ModelShape:
-    keys = {**_GQA_KEYS, "expert_intermediate_size": (expert_key,),
-            "dense_intermediate_size": ("intermediate_size",)}
-    if shared_key:
-        keys["shared_expert_intermediate_size"] = (shared_key,)
-    n = _numbers(cfg, where, keys, (*_GQA_REQUIRED, "expert_intermediate_size"))
-    heads, h, layers = n["num_heads"], n["hidden_size"], n["num_layers"]
-    sparse_step = n["decoder_sparse_step"] or 1
-    dense = tuple(sorted(set(n["mlp_only_layers"] or []) | {
-        layer for layer in range(layers) if (layer + 1) % sparse_step}))
-    shared = n.get("shared_expert_intermediate_size") or 0
-    if shared_key:
-        extra.update(shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared))
-    return ModelShape(
-        name=name, architecture=arch, dtype=_dtype(cfg),
-        vocab_size=n["vocab_size"], hidden_size=h, num_layers=layers,
-        num_heads=heads, num_kv_heads=n["num_kv_heads"] or heads,
-        head_dim=n["head_dim"] or h // heads,
-        num_experts=n["num_experts"], top_k=n["top_k"],
-        expert_intermediate_size=n["expert_intermediate_size"],
-        dense_layers=dense, dense_intermediate_size=n["dense_intermediate_size"] or 0,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=n["max_position_embeddings"] or 4096, **extra)
-
-
-def _mixtral(cfg, where, name):
-    return _gqa(cfg, where, name, "MixtralForCausalLM", "intermediate_size")
-
-
-def _qwen2(cfg, where, name):
-    return _gqa(cfg, where, name, "Qwen2MoeForCausalLM", "moe_intermediate_size",
-                "shared_expert_intermediate_size",
-                attention_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", True))))
-
-
-def _qwen3(cfg, where, name):
-    return _gqa(cfg, where, name, "Qwen3MoeForCausalLM", "moe_intermediate_size",
-                qk_norm=True, attention_bias=bool(cfg.get("attention_bias", False)))
-
-
-def _olmoe(cfg, where, name):
-    return _gqa(cfg, where, name, "OlmoeForCausalLM", "intermediate_size",
-                qk_norm=True, qk_norm_projection=True,
-                attention_bias=bool(cfg.get("attention_bias", False)))
-
-
-def _gpt_oss(cfg, where, name):
-    bias = bool(cfg.get("attention_bias", True))
-    return _gqa(cfg, where, name, "GptOssForCausalLM", "intermediate_size",
-                attention_bias=bias, dense_bias=bias, attention_sinks=True, expert_bias=True,
-                router_bias=True)
-
-
-_DEEPSEEK_KEYS = {**_GQA_KEYS, "num_experts": ("n_routed_experts",),
-                  "head_dim": ("qk_rope_head_dim",),  # MLA: heads as wide as their dims say
-                  "expert_intermediate_size": ("moe_intermediate_size",),
-                  "dense_intermediate_size": ("intermediate_size",),
-                  **{k: (k,) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                                       "qk_rope_head_dim", "v_head_dim", "n_shared_experts",
-                                       "first_k_dense_replace", "moe_layer_freq")}}
-
-
-def _deepseek(cfg, where, name):
-    arch = cfg["architectures"][0]
-    n = _numbers(cfg, where, _DEEPSEEK_KEYS,
-                 (*_GQA_REQUIRED, "expert_intermediate_size", "dense_intermediate_size",
-                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
-    layers = n["num_layers"]
-    first_dense, freq = n["first_k_dense_replace"] or 0, n["moe_layer_freq"] or 1
-    dense = tuple(layer for layer in range(layers)
-                  if layer < first_dense or layer % freq)
-    moe_inter = n["expert_intermediate_size"]
-    quant = cfg.get("quantization_config") or {}
-    published = ("fp8_block" if isinstance(quant, dict) and quant.get("quant_method") == "fp8"
-                 and quant.get("weight_block_size") else None)
-    return ModelShape(
-        name=name, architecture=arch, dtype=_dtype(cfg),
-        vocab_size=n["vocab_size"], hidden_size=n["hidden_size"],
-        num_layers=layers, num_heads=n["num_heads"], num_kv_heads=1,
-        head_dim=n["kv_lora_rank"] + n["qk_rope_head_dim"],
-        num_experts=n["num_experts"], top_k=n["top_k"], expert_intermediate_size=moe_inter,
-        shared_expert_intermediate_size=moe_inter * (n["n_shared_experts"] or 0),
-        dense_layers=dense, dense_intermediate_size=n["dense_intermediate_size"],
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        q_lora_rank=n["q_lora_rank"] or 0, kv_lora_rank=n["kv_lora_rank"],
-        qk_nope_head_dim=n["qk_nope_head_dim"], qk_rope_head_dim=n["qk_rope_head_dim"],
-        v_head_dim=n["v_head_dim"],
-        # transformers' DeepSeek-V3 router always has the bias (its config.json may not say
-        # topk_method); the Hub's remote-code configs say noaux_tc
-        routing_bias=cfg.get("topk_method") == "noaux_tc" or (
-            arch == "DeepseekV3ForCausalLM" and cfg.get("topk_method") is None),
-        max_position_embeddings=n["max_position_embeddings"] or 4096,
-        published_quant=published)
-
-
-# HF architectures[0] -> reader. The planner knows more families than the converter: a plan
-# says what a model needs before moepipe can build it.
-READERS = {
-    "MixtralForCausalLM": _mixtral,
-    "Qwen2MoeForCausalLM": _qwen2,
-    "Qwen3MoeForCausalLM": _qwen3,
-    "DeepseekV2ForCausalLM": _deepseek,
-    "DeepseekV3ForCausalLM": _deepseek,
-    "OlmoeForCausalLM": _olmoe,
-    "GptOssForCausalLM": _gpt_oss,
+# The tensors of a decoder layer that decide ModelShape's flags, by their TensorRT-LLM names (the
+# family's rules, enabled for the model: what the converter writes).
+_FLAGS = {
+    "attention_bias": "attention.qkv.bias",
+    "dense_bias": "attention.dense.bias",
+    "attention_sinks": "attention.sinks",
+    "qk_norm": "attention.q_layernorm.weight",
+    "router_bias": "mlp.router.bias",
+    "expert_bias": "mlp.fc.bias",
+    "routing_bias": "mlp.e_score_correction_bias",
+    "shared_expert_gate": "mlp.shared_expert_gate.weight",
 }
 
 
+def shape_of(spec: ModelSpec, name: str | None = None, published_quant: str | None = None
+             ) -> ModelShape:
+    """The :class:`ModelShape` of a normalised model: its numbers from ``spec``, which tensors
+    a layer has from its family's weight rules (one family table: :mod:`moepipe.arch`)."""
+    family = get_family(spec.architecture)
+    dense = range(spec.first_k_dense_replace if isinstance(spec, DeepseekSpec) else 0)
+    moe_layer = len(dense) if len(dense) < spec.num_layers else 0
+    rules = {n: r for n, r in family.rules_for(spec, moe_layer).items() if r.enabled(spec)}
+    flags = {flag: tensor in rules for flag, tensor in _FLAGS.items()}
+    q_norm = rules.get(_FLAGS["qk_norm"])
+    if q_norm is not None:  # a norm over the whole projection (OLMoE), not per head
+        ctx = RankContext(spec, Mapping.create(tp=1), 0, moe_layer,
+                          BY_TORCH_NAME[spec.torch_dtype])
+        flags["qk_norm_projection"] = q_norm.shape(ctx) != (spec.head_dim,)
+    common: dict[str, Any] = dict(
+        name=name or spec.architecture, architecture=spec.architecture, dtype=spec.torch_dtype,
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
+        num_heads=spec.num_heads, num_experts=spec.num_experts, top_k=spec.top_k,
+        expert_intermediate_size=spec.expert_intermediate_size,
+        shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+        dense_layers=tuple(dense), dense_intermediate_size=spec.dense_intermediate_size,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        max_position_embeddings=spec.max_position_embeddings,
+        published_quant=published_quant, spec=spec, **flags)
+    if isinstance(spec, DeepseekSpec):  # MLA: one latent of kv_lora_rank + rope dims per token
+        return ModelShape(**common, num_kv_heads=1,
+                          head_dim=spec.kv_lora_rank + spec.qk_rope_head_dim,
+                          q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                          qk_nope_head_dim=spec.qk_nope_head_dim,
+                          qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim)
+    return ModelShape(**common, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+
+
 def model_shape(cfg: dict[str, Any], name: str, where: str = "config.json") -> ModelShape:
-    """A :class:`ModelShape` from a Hugging Face ``config.json`` dict."""
+    """A :class:`ModelShape` from a Hugging Face ``config.json`` dict, normalised by its
+    family (an architecture moepipe has no family for lists the supported ones)."""
     archs = cfg.get("architectures") or []
-    arch = str(archs[0]) if archs else ""
-    reader = READERS.get(arch)
-    if reader is None:
-        raise UnsupportedError(f"{where}: architecture {arch!r} cannot be planned",
-                               f"supported: {', '.join(sorted(READERS))}")
-    return reader(cfg, where, name)
+    if not archs:
+        raise CheckpointError(f"{where}: no 'architectures' entry",
+                              "is this a complete Hugging Face config.json of a MoE model?")
+    spec = get_family(str(archs[0])).spec(cfg, where)
+    quant = cfg.get("quantization_config") or {}
+    published = ("fp8_block" if quant.get("quant_method") == "fp8"
+                 and quant.get("weight_block_size") else None)
+    return shape_of(spec, name, published)
+
+
+def load_shape(source: str | Path) -> ModelShape | None:
+    """The shape of a checkpoint folder, a ``config.json`` file or a built-in example (None:
+    ``source`` is none of them)."""
+    from moepipe.examples import EXAMPLES
+
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if os.path.lexists(path):  # a device or fifo is refused by the bounded read
+        cfg = read_json(path, "a Hugging Face checkpoint folder")  # bounded, one-line errors
+        return model_shape(cfg, path.parent.name if path.name == "config.json" else path.stem,
+                           str(path))
+    if str(source) in EXAMPLES:
+        ex = EXAMPLES[str(source)]
+        arch = ex.config_class.removesuffix("Config") + "ForCausalLM"
+        return model_shape({"architectures": [arch], "torch_dtype": "float32", **ex.config},
+                           str(source), f"example {source}")
+    return None

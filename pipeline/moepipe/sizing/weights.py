@@ -28,9 +28,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moepipe.checkpoints.dtypes import itemsize
 from moepipe.errors import ConfigError
 from moepipe.mapping import stage_layers
-from moepipe.planner.shapes import DTYPE_BYTES, ModelShape, Tensor
+from moepipe.sizing.shapes import ModelShape, Tensor
 
 FORMATS = ("none", "fp8", "fp8_block", "int4_awq", "w4a8_awq", "int8_sq", "nvfp4")
 AWQ_GROUP = 128
@@ -98,7 +99,7 @@ def tensor_bytes(t: Tensor, count: int, shape: tuple[int, ...], fmt: str, dtype:
         return 0
     if t.float32 and not (hf_layout and t.router):
         return count * elems * 4
-    base = DTYPE_BYTES[dtype]
+    base = itemsize(dtype)
     if not t.linear or fmt == "none" or (fmt == "int8_sq" and t.experts > 1):
         return count * elems * base
     out, inp = shape
