@@ -74,7 +74,8 @@ def load_update(current: ReferenceModel, new_dir: str | Path) -> WeightUpdate:
         gone = set(d.removed)
         tensors[rank] = {**{n: t for n, t in old.ranks[rank].items()
                             if n not in gone and n not in fresh}, **fresh}
-    model = ReferenceModel(with_tensors(new_dir, cfg, tensors), current.route, previous=current)
+    model = ReferenceModel(with_tensors(new_dir, cfg, tensors), current.route, current.comm,
+                           previous=current)
     before = storages(current)
     extra = sum(n for ptr, n in storages(model).items() if ptr not in before)
     return WeightUpdate(model, diff, read, extra, time.perf_counter() - started)

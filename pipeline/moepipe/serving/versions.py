@@ -124,3 +124,13 @@ class WeightVersions:
         with self._lock:
             return {"version": self.serving, "staged": sorted(self._staged),
                     "held": sorted(self._held)}
+
+
+def requested_version(parameters: dict) -> str | None:
+    """The version a request names in its Triton parameters, or None."""
+    value = parameters.get(VERSION_PARAMETER)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise RequestError(f"the {VERSION_PARAMETER} parameter must be a string, got {value!r}")
+    return value

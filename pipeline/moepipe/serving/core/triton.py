@@ -22,6 +22,18 @@ def parameters(model_config: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
 
 
+def request_parameters(request) -> dict:
+    """A request's Triton parameters (``request.parameters()`` is a JSON object; {} when the
+    request has none or the backend cannot say)."""
+    import json
+
+    try:
+        value = json.loads(request.parameters() or "{}")
+    except (AttributeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def flag(value: str | None, default: bool = False) -> bool:
     """A boolean model parameter as the templates render it (``true`` / ``false``)."""
     if value is None or not value.strip():
