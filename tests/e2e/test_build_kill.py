@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -70,3 +71,23 @@ def test_killed_build_resumes_to_the_same_result(tmp_path, clean, point):
     assert _result(folder) == clean
     leftovers = [p.name for p in (work / "artifacts").iterdir() if p.name.startswith(".")]
     assert leftovers == [], "partial outputs of the killed build were not cleaned up"
+
+
+def test_ctrl_c_is_one_line_exit_130(tmp_path):
+    # quantization keeps the build busy for seconds: the interrupt lands inside the build
+    path = tmp_path / "moepipe.yaml"
+    path.write_text(yaml.safe_dump({"model": {"example": "tiny-mixtral"}, "workdir": "work",
+                                    "quantize": {"format": "fp8"}}))
+    proc = subprocess.Popen([sys.executable, "-m", "moepipe", "build", "-c", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # Ctrl-C's default action, also when the suite runs in the
+                            # background (a shell starts background jobs with SIGINT ignored)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "work" / "artifacts").glob(".quantize-*")) \
+            and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)  # until the quantize stage has started (not while Python starts)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err

@@ -97,9 +97,11 @@ def _cleanup(repo: Path, *state_dirs: Path) -> None:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A built tiny-mixtral with its repository rendered (nothing started)."""
+    """A built tiny-mixtral with its repository rendered (nothing started). World size 1: a
+    second server on the same repository (a foreign one, below) must be able to start, which a
+    rank group's rank 0 cannot without its workers (a lost rank: tests/e2e/test_rank_faults.py)."""
     workdir = tmp_path_factory.mktemp("signals")
-    cfg = make_config(workdir, deploy={"max_restarts": 2})
+    cfg = make_config(workdir, deploy={"max_restarts": 2}, parallel={"tp": 1, "moe_ep": 1})
     run_build(workdir / "moepipe.yaml", echo=lambda s: None)
     repo = render_deployment(cfg, artifacts(cfg))
     yield cfg, repo

@@ -334,9 +334,16 @@ CPU_WORKER = """#!/bin/sh
 # exits (rank 0 dissolves the group when it loses any rank; the next group forms from the
 # ranks that connect again). SIGTERM stops the rank and the loop.
 set -u
-LEADER="${LWS_LEADER_ADDRESS:?LWS_LEADER_ADDRESS unset: run by a LeaderWorkerSet}"
-RANK="${LWS_WORKER_INDEX:?LWS_WORKER_INDEX unset: run by a LeaderWorkerSet}"
-PYTHON="${MOEPIPE_PYTHON:-python3}"
+# (no shell parameter expansion with braces: nothing moepipe renders keeps a dollar-brace)
+for name in LWS_LEADER_ADDRESS LWS_WORKER_INDEX; do
+    if [ -z "$(printenv "$name")" ]; then
+        echo "$name unset: run by a LeaderWorkerSet" >&2
+        exit 1
+    fi
+done
+LEADER=$LWS_LEADER_ADDRESS
+RANK=$LWS_WORKER_INDEX
+PYTHON=$(printenv MOEPIPE_PYTHON || echo python3)
 pid=
 trap 'if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; fi; exit 0' TERM INT
 while :; do
