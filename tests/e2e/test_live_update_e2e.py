@@ -8,16 +8,20 @@ requests without pause (issue 23, items 1-4):
 * a broken build fails its validation through the live server: the deploy exits non-zero with
   the reason and the old version keeps serving;
 * `--rollback` returns to the version before, validated the same way;
-* a change beyond the weights restarts the server and says so in one line.
+* a change beyond the weights restarts the server and says so in one line;
+* a rank group (two processes) stages each rank's own part and switches together; a worker
+  restarted after the switch joins on the new version.
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 import yaml
 from helpers import make_config
@@ -34,6 +38,7 @@ from moepipe.deploy.local import lifecycle
 from moepipe.runtime.checkpoint import load_checkpoint
 from moepipe.runtime.generate import generate
 from moepipe.runtime.model import ReferenceModel
+from moepipe.validate import client
 
 PROMPTS = [[1, 5, 9, 2, 7], [30, 31, 2, 8], [11, 3, 250, 4, 4, 9], [7, 7, 100]]
 MAX_TOKENS = 16
@@ -172,5 +177,64 @@ def test_live_update_under_load(sources, tmp_path):
                            f"{cfg1.deploy.max_queue_size} -> 4): restarting the server "
                            "(requests in flight end)"], lines
         assert _cli_status(cfg4)["version"] == art1.version
+    finally:
+        lifecycle.stop(state_dir(cfg1), grace=40)
+
+
+def _answer(ep, prompt):
+    """Greedy tokens of one request, or None while the rank group is being formed again."""
+    try:
+        res = client.grpc_infer(ep.grpc, "tensorrt_llm", {
+            "input_ids": np.array([prompt], np.int32),
+            "input_lengths": np.array([[len(prompt)]], np.int32),
+            "request_output_len": np.array([[MAX_TOKENS]], np.int32),
+            "exclude_input_in_output": np.array([[True]], np.bool_)},
+            ["output_ids", "sequence_length"], 30)
+    except client.ClientError:
+        return None
+    out = res.outputs[-1]
+    return out["output_ids"].reshape(-1)[: int(out["sequence_length"].reshape(-1)[0])].tolist()
+
+
+def test_a_rank_group_updates_every_rank_and_a_restarted_rank_serves_the_new_version(
+        sources, tmp_path):
+    """tp=2, moe_ep=2 as two processes: each rank stages its own changed tensors (expert 1 of
+    layer 0 lives on rank 0: the worker reads nothing), every step runs both ranks on one
+    version; a worker killed after the switch comes back on the new version."""
+    workdir = tmp_path / "work"
+    make_config(workdir, parallel={"tp": 2, "moe_ep": 2}, deploy={"max_restarts": 3},
+                validate={"max_tokens": 8})
+    cfg1 = _use(workdir, sources["v1"])
+    art1, want1 = _build(cfg1)
+    run_deploy(cfg1, echo=lambda s: None)
+    try:
+        cfg2 = _use(workdir, sources["v2"])
+        art2, want2 = _build(cfg2)
+        ep = endpoint_for(cfg1, None, None)
+        load = Load(ep.grpc, PROMPTS, MAX_TOKENS, clients=3).start()
+        time.sleep(2)
+        result = run_deploy(cfg2, echo=lambda s: None)
+        switched = time.monotonic()
+        time.sleep(2)
+        answers = load.stop()
+        assert result["updated"] and result["version"] == art2.version
+        assert result["changed_tensors"] == 2  # rank 0's; the worker's file did not change
+        assert [a for a in answers if a.tokens is None] == []
+        for a in answers:
+            assert a.tokens in (want1[a.prompt], want2[a.prompt]), a
+        later = [a for a in answers if a.started > switched]
+        assert later and all(a.tokens == want2[a.prompt] for a in later)
+        # the supervisor's new worker joins on the version serving now
+        worker = _cli_status(cfg2)["ranks"]["1"]
+        os.kill(worker, signal.SIGKILL)
+        deadline, got = time.monotonic() + 120, None
+        while time.monotonic() < deadline:
+            got = _answer(ep, PROMPTS[0])
+            if got is not None and _cli_status(cfg2)["ranks"]["1"] != worker:
+                break
+            time.sleep(0.2)
+        assert got == want2[0]
+        assert [_answer(ep, p) for p in PROMPTS] == want2
+        assert _cli_status(cfg2)["version"] == art2.version
     finally:
         lifecycle.stop(state_dir(cfg1), grace=40)

@@ -6,10 +6,8 @@ the metrics and a request's parameters carry it."""
 import threading
 
 import pytest
-from retrained import retrain_experts
 
 from moepipe.checkpoints.manifest import diff_checkpoints
-from moepipe.conversion.write import convert
 from moepipe.deploy.local import live as outside
 from moepipe.deploy.local.state import CONTROL_SOCKET, ServerError
 from moepipe.deploy.metric_names import serving_version
@@ -27,17 +25,8 @@ PROMPT = [1, 5, 9, 2, 7]
 
 
 @pytest.fixture(scope="module")
-def builds(examples, tmp_path_factory):
-    """old, new (expert 1 of layer 0 re-trained) at world size 1, and both at tp=2 moe_ep=2."""
-    root = tmp_path_factory.mktemp("control")
-    src = examples["tiny-mixtral"]
-    new_src = retrain_experts(src, root / "retrained", layer=0, experts=(1,))
-    out = {}
-    for name, source in (("old", src), ("new", new_src)):
-        convert(source, root / name)
-        convert(source, root / f"{name}-ep", tp=2, moe_ep=2)
-        out[name], out[f"{name}-ep"] = root / name, root / f"{name}-ep"
-    return out
+def builds(live_builds):
+    return live_builds
 
 
 def _greedy(engine, n, version=None):

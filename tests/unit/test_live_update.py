@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from retrained import retrain_experts
 
 from moepipe.checkpoints.manifest import diff_checkpoints
 from moepipe.conversion.write import convert
@@ -24,15 +23,9 @@ LAYER0 = {"transformer.layers.0.mlp.fc.weight", "transformer.layers.0.mlp.proj.w
 
 
 @pytest.fixture(scope="module")
-def builds(examples, tmp_path_factory):
+def builds(live_builds):
     """(old, new) converted checkpoints at tp=2, moe_ep=2: expert 1 of layer 0 re-trained."""
-    root = tmp_path_factory.mktemp("live")
-    src = examples["tiny-mixtral"]
-    new_src = retrain_experts(src, root / "retrained", layer=0, experts=(1,))
-    old, new = root / "old", root / "new"
-    convert(src, old, tp=2, moe_ep=2)
-    convert(new_src, new, tp=2, moe_ep=2)
-    return old, new
+    return live_builds["old-ep"], live_builds["new-ep"]
 
 
 def test_tensor_digests_name_exactly_the_retrained_experts(builds):

@@ -6,7 +6,7 @@ swapped in while it serves; anything else restarts it.
    architecture, its sizes, the mapping) restart the server (:func:`why_restart` says which, in
    one line). Otherwise:
 2. stage: the model loads the tensors whose digests changed as a new version beside the serving
-   one (each rank file read for its own changed tensors);
+   one; in a rank group every rank process reads its own rank file's changed tensors;
 3. validate: smoke and accuracy (greedy tokens against transformers on the new build) run
    through the live server on requests pinned to the new version, beside the traffic; a
    failure drops it: the old version keeps serving and the deploy fails with the reason;
@@ -144,9 +144,6 @@ def update_running(cfg: MoepipeConfig, art: Artifacts, running: dict[str, Any],
     started = time.monotonic()
     target = Release.of(art)
     where = state_dir(cfg.workdir)
-    world = cfg.parallel.to_mapping().world_size
-    if world > 1:  # every rank would load its part and switch at the same step: not yet
-        return {"restart": f"a rank group (world size {world}) is not updated in place"}
     try:
         status = live.ask(where, {"op": "status"})
     except live.Unreachable as e:
@@ -169,7 +166,7 @@ def update_running(cfg: MoepipeConfig, art: Artifacts, running: dict[str, Any],
          f"{staged['total_tensors']} {read} changed, read {staged['read_bytes'] / 2**20:.1f} "
          f"MiB ({staged['extra_bytes'] / 2**20:.1f} MiB more memory) in {staged['seconds']:.2f}s")
     checked = time.monotonic()
-    report = _validate(cfg, art, target.version, echo)
+    report = _validate(cfg, art, target.version, running, echo)
     validate_s = time.monotonic() - checked
     if not report.passed:
         live.ask(where, {"op": "discard", "version": target.version})
@@ -202,14 +199,16 @@ def update_running(cfg: MoepipeConfig, art: Artifacts, running: dict[str, Any],
             "released_s": released["seconds"]}
 
 
-def _validate(cfg: MoepipeConfig, art: Artifacts, version: str, echo: Callable[[str], None]):
-    """Smoke and accuracy on requests pinned to ``version``, through the live server."""
+def _validate(cfg: MoepipeConfig, art: Artifacts, version: str, running: dict[str, Any],
+              echo: Callable[[str], None]):
+    """Smoke and accuracy on requests pinned to ``version``, through the live server (its
+    own addresses, whatever ``validation.url`` points at)."""
     from moepipe.commands.validate import endpoint_for, run_jobs
     from moepipe.deploy.local.state import state_dir
     from moepipe.serving.versions import VERSION_PARAMETER
     from moepipe.validate.base import JobContext
 
-    ep = endpoint_for(cfg, None, None)
+    ep = endpoint_for(cfg, running["http"], running["grpc"])
     ep.parameters = {VERSION_PARAMETER: version}
     ctx = JobContext(ep, cfg, art.model_dir, art.checkpoint_dir, state_dir(cfg.workdir))
     echo(f"deploy: validating version {version} beside the traffic "

@@ -155,6 +155,9 @@ class ReferenceModel:
             if self.last_stage else []
         load.finish()
         self.loader: WeightLoader = load  # what the next version reuses
+        # which weights version this is within its rank group (0: the one loaded first): the
+        # other ranks run each step on their part of the same version
+        self.weights_id = 0
         self.expert_tokens: torch.Tensor = (
             previous.expert_tokens if previous is not None
             else torch.zeros(ckpt.num_layers, self.num_experts, dtype=torch.long))
@@ -179,7 +182,7 @@ class ReferenceModel:
         leader."""
         comm = self.comm
         if comm is not None:
-            comm.begin_step(batch, all_logits)
+            comm.begin_step(batch, all_logits, self.weights_id)
         positions = torch.cat([torch.arange(p, p + n) for p, n in
                                zip(batch.past_lens, batch.seq_lens, strict=True)])
         freqs = positions[:, None].float() * self.inv_freq[None, :]

@@ -121,12 +121,10 @@ class TritonPythonModel:
                 lambda up, why: self.frontend.outbox.put(self.rank_metrics.publish)
         # metric calls are made on the outbox thread only (see _on_step)
         self.version_metric = VersionMetric(pb_utils, self.name, e.versions.serving)
-        self.control = None
-        if self.leader is None:  # a rank group's ranks would all have to switch: it restarts
-            self.control = start_control(params.get("control_socket"), LiveUpdates(
-                e, params["checkpoint_dir"],
-                on_switch=lambda old, new: self.frontend.outbox.put(self.version_metric.set,
-                                                                    new)))
+        # with a rank group, every rank stages its part of a new version (moepipe.ranks)
+        self.control = start_control(params.get("control_socket"), LiveUpdates(
+            e, params["checkpoint_dir"], group=self.leader,
+            on_switch=lambda old, new: self.frontend.outbox.put(self.version_metric.set, new)))
         e.start()
 
     def execute(self, requests):
