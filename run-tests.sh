@@ -7,4 +7,4 @@ scripts/bootstrap.sh
 scripts/install-test-tools.sh
 .venv/bin/python -m ruff check pipeline tests benchmarks model_repo plugins
 .venv/bin/python -m mypy  # the package, configured in pyproject.toml: zero errors
-exec .venv/bin/python -m pytest -ra "$@"
+exec .venv/bin/python -m pytest -ra --durations=25 "$@"
