@@ -99,6 +99,7 @@ class Leader:
         self._closed = threading.Event()
         self._staged: dict[int, dict] = {}  # rank -> its answer to the latest STAGE
         self._staged_cv = threading.Condition()
+        self._staging = -1  # the weights id of the latest STAGE
         self._monitor: threading.Thread | None = None
 
     # -- health (the batcher's view) ----------------------------------------------------
@@ -250,6 +251,7 @@ class Leader:
         then discarded everywhere); steps go on meanwhile."""
         with self._staged_cv:
             self._staged.clear()
+            self._staging = weights
             generation = self.generation
         self._send_all(Step(Op.STAGE, weights=weights, detail=json.dumps(
             {"checkpoint": checkpoint, "base": base})))
@@ -286,9 +288,11 @@ class Leader:
         self.checkpoint_dir, self.serving_weights = str(Path(checkpoint).resolve()), weights
 
     def _staged_ack(self, rank: int, payload: bytes) -> None:
+        answer = json.loads(payload)
         with self._staged_cv:
-            self._staged[rank] = json.loads(payload)
-            self._staged_cv.notify_all()
+            if answer.get("weights") == self._staging:  # not a late answer to an earlier one
+                self._staged[rank] = answer
+                self._staged_cv.notify_all()
 
     def _watch(self, generation: int, workers: dict[int, Channel]) -> None:
         """Read every worker's timings and heartbeats; a closed or silent one is lost."""

@@ -153,11 +153,12 @@ def _stage(ch: Channel, versions: dict[int, ReferenceModel], step: Step) -> None
     try:
         update = load_update(versions[int(detail["base"])], detail["checkpoint"])
     except (MoepipeError, KeyError, OSError) as e:
-        answer = {"ok": False, "error": getattr(e, "message", None) or str(e)}
+        answer = {"weights": step.weights, "ok": False,
+                  "error": getattr(e, "message", None) or str(e)}
     else:
         update.model.weights_id = step.weights
         versions[step.weights] = update.model
-        answer = {"ok": True, "read_bytes": update.read_bytes,
+        answer = {"weights": step.weights, "ok": True, "read_bytes": update.read_bytes,
                   "extra_bytes": update.extra_bytes,
                   "changed_tensors": update.diff.changed_tensors}
     try:
