@@ -93,6 +93,15 @@ def _corrupt_changed_tensor(checkpoint):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def _answered(load, n=6, timeout=60):
+    """Wait until the clients have had ``n`` answers (a loaded machine's first requests can
+    take seconds): the update then starts under load, with answers before it."""
+    deadline = time.monotonic() + timeout
+    while len(load.answers) < n and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(load.answers) >= n, "the clients got no answers before the update"
+
+
 @pytest.fixture(scope="module")
 def sources(examples, tmp_path_factory):
     root = tmp_path_factory.mktemp("sources")
@@ -116,7 +125,7 @@ def test_live_update_under_load(sources, tmp_path):
         assert want1 != want2  # the re-trained expert changes the answers
         ep = endpoint_for(cfg1, None, None)
         load = Load(ep.grpc, PROMPTS, MAX_TOKENS, clients=3).start()
-        time.sleep(2)
+        _answered(load)
         lines: list[str] = []
         began = time.monotonic()
         result = run_deploy(cfg2, echo=lines.append)
@@ -212,7 +221,7 @@ def test_a_rank_group_updates_every_rank_and_a_restarted_rank_serves_the_new_ver
         art2, want2 = _build(cfg2)
         ep = endpoint_for(cfg1, None, None)
         load = Load(ep.grpc, PROMPTS, MAX_TOKENS, clients=3).start()
-        time.sleep(2)
+        _answered(load)
         result = run_deploy(cfg2, echo=lambda s: None)
         switched = time.monotonic()
         time.sleep(2)
