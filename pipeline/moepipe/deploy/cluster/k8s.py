@@ -17,9 +17,10 @@ non-root read-only-root security context and writable volumes of
 by prometheus-adapter, whose rule ``monitoring/prometheus-adapter.yaml`` holds) and a
 PodDisruptionBudget.
 
-The pods read the deployment through its absolute paths (config.pbtxt names the engine, the
-checkpoint and the tokenizer by path), so the PersistentVolumeClaim ``deploy.k8s.volume_claim``
-must hold the workdir and is mounted, read-only, at the workdir's own path.
+The PersistentVolumeClaim ``deploy.k8s.volume_claim`` holds the workdir and is mounted,
+read-only, at ``deploy.serve_root`` (default: the workdir's own path): the Python models find
+their files relative to the repository, and what a backend reads by absolute path (the engine)
+was rendered under that root (:mod:`moepipe.deploy.serve_paths`).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class PodPlan:
     name: str
     image: str
     target: str
-    workdir: Path
+    serve_root: str  # where the workdir's volume is mounted (deploy.serve_root)
     server: ServerCommand  # bound to all of the pod's addresses
     ports: dict[str, int]
     gpus: int
@@ -156,7 +157,7 @@ def container(plan: PodPlan, name: str, command: list[str], *, serving: bool) ->
         "securityContext": pod_security.container_security(),
         "env": list(pod_security.ENV),
         "volumeMounts": [*(m for _, m in pod_security.writable_volumes(plan.shm_mib)),
-                         {"name": "workdir", "mountPath": str(plan.workdir),
+                         {"name": "workdir", "mountPath": plan.serve_root,
                           "readOnly": True}],
     }
     c["env"] += [{"name": k, "value": v} for k, v in plan.env]

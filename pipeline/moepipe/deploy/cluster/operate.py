@@ -16,6 +16,7 @@ startup probe budget            ``deploy.ready_timeout_s``, at least ``Target.mi
                                 (GPU targets: 15 min)
 ports, exit timeout             ``deploy.<http,grpc,metrics>_port``, ``deploy.exit_timeout_s``
 server flags                    :class:`moepipe.deploy.tritonserver.ServerCommand`, on 0.0.0.0
+workdir volume mount            ``deploy.serve_root`` (default: the workdir's path)
 autoscaler, budget              ``deploy.k8s.{min,max}_replicas``, ``autoscale_metric``,
                                 ``autoscale_target``
 rules, scrape config            ``deploy.monitoring``; the cost rules: ``validate.cost``
@@ -34,6 +35,7 @@ from moepipe import __version__
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster import grafana, k8s, monitoring
 from moepipe.deploy.metric_names import exported
+from moepipe.deploy.serve_paths import ServePaths
 from moepipe.deploy.tritonserver import ServerCommand
 from moepipe.errors import CheckpointError
 from moepipe.sizing.pods import pod_memory_mib
@@ -89,13 +91,14 @@ def plan(cfg: MoepipeConfig) -> tuple[k8s.PodPlan, k8s.Shape]:
     window = d.trtllm.expert_statistic
     env = {} if window is None else environment(window.start, window.stop,
                                                 k8s.EXPERT_STATISTIC_DIR)
+    paths = ServePaths.of(cfg)
     return k8s.PodPlan(
         name=k8s.check_name(kc.name, "deploy.k8s.name"),
         image=kc.image or default_image(cfg.target), target=cfg.target,
-        workdir=cfg.workdir,
+        serve_root=str(paths.serve_root),
         # the kubelet probes the pod IP and the Service forwards to it: the pod network is
         # the boundary
-        server=ServerCommand.of(cfg, cfg.deploy_dir / "model_repo", host="0.0.0.0"),
+        server=ServerCommand.of(cfg, Path(paths.repository()), host="0.0.0.0"),
         ports={"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port},
         gpus=shape.gpus_per_pod, cpu=f"{kc.cpus:g}", memory_mib=memory,
         shm_mib=k8s.shm_mib(python_instances(cfg)), volume_claim=kc.volume_claim,
