@@ -123,7 +123,7 @@ def test_server_exports_latency_histograms_and_occupancy_gauges(load_report, dep
         assert counts == sorted(counts)  # cumulative
         total = float(re.search(name + r"_count\{[^}]*\}\s+(\S+)", text).group(1))
         assert counts[-1] == total > 0
-    assert re.search(r'moepipe_kv_slots_total\{model="tensorrt_llm"\} 16', text)
-    for gauge in ("moepipe_batch_occupancy", "moepipe_queued_requests", "moepipe_kv_slots_used",
+    assert re.search(r'moepipe_kv_slots\{model="tensorrt_llm"\} 16', text)
+    for gauge in ("moepipe_batch_occupancy_ratio", "moepipe_queued_requests", "moepipe_kv_slots_used",
                   "moepipe_kv_tokens_used"):
         assert re.search(gauge + r'\{model="tensorrt_llm"\} \S+', text), gauge
