@@ -68,8 +68,10 @@ MAX_RATE = 100_000.0  # requests/s
 MAX_REPLICAS = 10_000
 MAX_COUNT_TOKENS = 1 << 53
 MAX_PATH = 1024  # characters of a path rendered into the deployment files
-# The alerts' runbooks: sections of moepipe's README (deploy.monitoring.runbooks).
-RUNBOOKS = "https://github.com/moepipe/moepipe/blob/main/README.md"
+# The alerts' runbooks: sections of moepipe's README (deploy.monitoring.runbooks). moepipe has
+# no published web address, so the default names the README itself; set an http(s) URL where a
+# copy is served (a wiki, a mirror) for links an alert's reader can open.
+RUNBOOKS = "README.md"
 MAX_BINS = 100_000  # points of a timeline (burst: its seconds / bin_s)
 Users = Annotated[int, Field(ge=1, le=MAX_USERS)]
 Rate = Annotated[float, Field(gt=0, le=MAX_RATE)]
@@ -395,13 +397,16 @@ class MonitoringSection(Section):
                                                     "(0 = even).")
     runbooks: str = Field(RUNBOOKS, description="The page whose sections are the alerts' "
                                                 "runbooks (each alert's runbook_url is this + "
-                                                "'#runbook-<alert name>'); a copy of moepipe's "
-                                                "README on your own wiki or mirror.")
+                                                "'#runbook-<alert name>'): moepipe's README "
+                                                "(default), or the http(s) URL of a copy on "
+                                                "your own wiki or mirror.")
 
     @field_validator("runbooks")
     @classmethod
     def _runbooks(cls, value: str) -> str:
-        """An http(s) URL without a fragment (the alert's anchor is appended)."""
+        """An http(s) URL without a fragment (the alert's anchor is appended), or the default."""
+        if value == RUNBOOKS:
+            return value
         if len(value) > MAX_PATH or not re.fullmatch(r"https?://[\x21-\x7e]+", value) \
                 or "#" in value:
             raise ValueError(f"not an http(s) URL of at most {MAX_PATH} characters without a "
