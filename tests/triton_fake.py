@@ -229,7 +229,7 @@ def load_model(template: Path, tmp: Path, pb: types.ModuleType, config: dict,
         setattr(mod, key, value)
     instance = mod.TritonPythonModel()
     instance.initialize({"model_config": json.dumps(config), "model_name": name,
-                         "model_version": version})
+                         "model_version": version, "model_repository": str(folder.parent)})
     pb.models[name] = instance
     return instance
 

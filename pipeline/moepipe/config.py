@@ -67,6 +67,11 @@ MAX_USERS = 4096  # closed-loop users
 MAX_RATE = 100_000.0  # requests/s
 MAX_REPLICAS = 10_000
 MAX_COUNT_TOKENS = 1 << 53
+MAX_PATH = 1024  # characters of a path rendered into the deployment files
+# The alerts' runbooks: sections of moepipe's README (deploy.monitoring.runbooks). moepipe has
+# no published web address, so the default names the README itself; set an http(s) URL where a
+# copy is served (a wiki, a mirror) for links an alert's reader can open.
+RUNBOOKS = "README.md"
 MAX_BINS = 100_000  # points of a timeline (burst: its seconds / bin_s)
 Users = Annotated[int, Field(ge=1, le=MAX_USERS)]
 Rate = Annotated[float, Field(gt=0, le=MAX_RATE)]
@@ -390,6 +395,23 @@ class MonitoringSection(Section):
     max_expert_imbalance: float = Field(1.0, gt=0, le=1000,
                                         description="std/mean of the tokens per expert of a layer "
                                                     "(0 = even).")
+    runbooks: str = Field(RUNBOOKS, description="The page whose sections are the alerts' "
+                                                "runbooks (each alert's runbook_url is this + "
+                                                "'#runbook-<alert name>'): moepipe's README "
+                                                "(default), or the http(s) URL of a copy on "
+                                                "your own wiki or mirror.")
+
+    @field_validator("runbooks")
+    @classmethod
+    def _runbooks(cls, value: str) -> str:
+        """An http(s) URL without a fragment (the alert's anchor is appended), or the default."""
+        if value == RUNBOOKS:
+            return value
+        if len(value) > MAX_PATH or not re.fullmatch(r"https?://[\x21-\x7e]+", value) \
+                or "#" in value:
+            raise ValueError(f"not an http(s) URL of at most {MAX_PATH} characters without a "
+                             "'#' fragment")
+        return value
 
 
 class FallbackSection(Section):
@@ -462,6 +484,14 @@ class DeploySection(Section):
                               description="cpu target: times the supervisor restarts a server "
                                           "whose process or a model process died, or a rank "
                                           "group that lost a rank (0: only stop it).")
+    serve_root: Path | None = Field(None, description="Where the workdir is when the "
+                                    "deployment is served (another machine's or a container's "
+                                    "folder, e.g. /models; default: the workdir itself): the "
+                                    "absolute paths a backend needs (trtllm-engine's engine, "
+                                    "launch.sh, the pods' repository) are rendered under it and "
+                                    "the Kubernetes pods mount the workdir's volume there. "
+                                    "Python models find their files relative to the "
+                                    "repository.")
     tritonserver: Path | None = Field(None, description="tritonserver binary (default: PATH, "
                                                         "else the one in nvidia-pytriton).")
     trtllm: TrtllmDeploySection = Field(default_factory=TrtllmDeploySection,
@@ -474,6 +504,27 @@ class DeploySection(Section):
                                           description="Prometheus rules, scrape config and "
                                                       "Grafana dashboard in "
                                                       "<deploy>/monitoring.")
+
+    @field_validator("serve_root")
+    @classmethod
+    def _serve_root(cls, value: Path | None) -> Path | None:
+        """An absolute path the rendered files can quote; not resolved (it names the serving
+        machine's folder, not one of this machine)."""
+        if value is None:
+            return value
+        text = str(value)
+        if len(text) > MAX_PATH:
+            raise ValueError(f"must be a path of at most {MAX_PATH} characters")
+        if not value.is_absolute() or text == "/":
+            raise ValueError(f"{text!r} must be an absolute path below / (where the workdir "
+                             "is when served, e.g. /models)")
+        if ".." in value.parts:
+            raise ValueError(f"{text!r} must be a normalised path (no '..')")
+        bad = sorted(set('"\\`$\n\r\t\'') & set(text))
+        if bad:
+            raise ValueError(f"{text!r} contains {' '.join(map(repr, bad))}, which the "
+                             "rendered files cannot quote")
+        return value
 
     @model_validator(mode="after")
     def _distinct_ports(self):

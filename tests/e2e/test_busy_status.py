@@ -37,12 +37,12 @@ def busy_server(deployment):
     from moepipe.deploy.render.repository import render_deployment
 
     cfg, _ = deployment
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, ranks = free_ports(4)
     busy = cfg.model_copy(deep=True)
     busy.build = busy.build.model_copy(update={"max_batch_size": 1})
     busy.deploy = busy.deploy.model_copy(update={
         "decoupled": False, "max_queue_size": 1, "output": cfg.workdir / "deploy-busy",
-        "http_port": http, "grpc_port": grpc, "metrics_port": metrics})
+        "http_port": http, "grpc_port": grpc, "metrics_port": metrics, "rank_port": ranks})
     repo = render_deployment(busy, artifacts(cfg))  # the engine's slots are a serving setting
     state = cfg.workdir / "server-busy"
     lifecycle.start(repo, state, host="127.0.0.1", http_port=http, grpc_port=grpc,

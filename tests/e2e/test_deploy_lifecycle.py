@@ -45,21 +45,26 @@ def test_busy_port_is_reported_before_starting(tmp_path):
     _no_server(cfg)
 
 
-def test_model_that_fails_to_load_shows_the_servers_reason(tmp_path):
-    cfg = make_config(tmp_path / "w")
+@pytest.mark.parametrize("rank,tp", [(0, 1), (1, 2)], ids=["server", "worker-rank"])
+def test_model_that_fails_to_load_shows_the_servers_reason(tmp_path, rank, tp):
+    cfg = make_config(tmp_path / "w", parallel={"tp": tp, "moe_ep": tp})
     run_build(cfg.workdir / "moepipe.yaml", echo=lambda s: None)
-    rank = cfg.workdir / "checkpoint" / "rank1.safetensors"
+    path = cfg.workdir / "checkpoint" / f"rank{rank}.safetensors"
     # A corrupt header the build's cheap check cannot see (same size, same mtime; deploy
     # refuses outputs whose size or contents changed), so the server meets it while loading.
-    st = rank.stat()
-    with open(rank, "r+b") as f:
+    st = path.stat()
+    with open(path, "r+b") as f:
         f.write(b"\xff" * 8)
-    os.utime(rank, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     proc = _cli("deploy", cwd=cfg.workdir)
     assert proc.returncode == 2
     first = proc.stderr.splitlines()[0]
-    assert first.startswith("error: tritonserver exited during start")
-    assert "tensorrt_llm" in first and "truncated" in first
+    if rank == 0:  # the tensorrt_llm model in the server loads it
+        assert first.startswith("error: tritonserver exited during start")
+        assert "tensorrt_llm" in first and "truncated" in first
+    else:  # a worker rank's own process of the rank group: its reason, at once
+        assert first.startswith("error: worker rank 1 exited during start"), first
+        assert "rank1.log" in proc.stderr
     _no_server(cfg)
     out = subprocess.run(["pgrep", "-f", str(cfg.workdir)], capture_output=True, text=True)
     assert out.stdout.strip() == "", "a server process was left behind"

@@ -52,20 +52,27 @@ def can_unshare() -> bool:
 
 
 @pytest.mark.skipif(not can_unshare(), reason="needs root and unshare for a mount namespace")
-def test_cpu_pod_serves_with_a_read_only_root(deployment, tmp_path):
+def test_cpu_pod_serves_with_a_read_only_root(tmp_path):
+    from helpers import make_config
+
+    from moepipe.commands.build import run_build
     from moepipe.commands.deploy import artifacts
     from moepipe.deploy.cluster.operate import render_operations
     from moepipe.deploy.local.binary import find_tritonserver, server_env
+    from moepipe.deploy.render.repository import render_deployment
     from moepipe.validate.client import generate
 
-    cfg, _ = deployment
+    # world size 1: one pod, a Deployment (a rank group is a LeaderWorkerSet: test_rank_hosts)
+    cfg = make_config(tmp_path / "w", parallel={"tp": 1, "moe_ep": 1})
+    run_build(cfg.workdir / "moepipe.yaml", echo=lambda s: None)
+    render_deployment(cfg, artifacts(cfg))
     http, grpc, metrics = free_ports(3)
     pod_cfg = cfg.model_copy(deep=True)
     pod_cfg.deploy = pod_cfg.deploy.model_copy(update={
         "http_port": http, "grpc_port": grpc, "metrics_port": metrics})
     out = tmp_path / "rendered"
     out.mkdir()
-    render_operations(pod_cfg, artifacts(pod_cfg), out)
+    render_operations(pod_cfg, out)
     (dep,) = yaml.safe_load_all((out / "k8s" / "deployment.yaml").read_text())
     spec = dep["spec"]["template"]["spec"]
     (c,) = spec["containers"]

@@ -140,7 +140,7 @@ def test_expert_imbalance_alert_fires_only_for_the_skewed_router(prometheus, dep
                 break
             time.sleep(1)
         values = _get(f"{prometheus}/api/v1/query?query="
-                      + urllib.request.quote(monitoring.EXPERT_IMBALANCE))["data"]["result"]
+                      + urllib.request.quote(monitoring.recorded(6).expert_imbalance))["data"]["result"]
     finally:
         stop.set()
         for w in workers:

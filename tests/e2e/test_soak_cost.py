@@ -137,10 +137,10 @@ def test_prometheus_records_the_cost_of_the_live_token_rate(deployment, tmp_path
             except OSError:
                 continue  # not up yet
         # one evaluation: the records and the rates they come from, at the same instant
-        both = query(f"{monitoring.COST_OUTPUT} * {monitoring.OUTPUT_RATE}")
-        blended = query(f"{monitoring.COST} * ({monitoring.INPUT_RATE} + "
-                        f"{monitoring.OUTPUT_RATE})")
-        rates = query(monitoring.INPUT_RATE)
+        r = monitoring.recorded(6)  # the rules' window
+        both = query(f"{r.cost_output} * {r.output_rate}")
+        blended = query(f"{r.cost} * ({r.input_rate} + {r.output_rate})")
+        rates = query(r.input_rate)
     finally:
         stop.set()
         worker.join(timeout=30)

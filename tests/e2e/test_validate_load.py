@@ -123,7 +123,26 @@ def test_server_exports_latency_histograms_and_occupancy_gauges(load_report, dep
         assert counts == sorted(counts)  # cumulative
         total = float(re.search(name + r"_count\{[^}]*\}\s+(\S+)", text).group(1))
         assert counts[-1] == total > 0
-    assert re.search(r'moepipe_kv_slots_total\{model="tensorrt_llm"\} 16', text)
-    for gauge in ("moepipe_batch_occupancy", "moepipe_queued_requests", "moepipe_kv_slots_used",
+    assert re.search(r'moepipe_kv_slots\{model="tensorrt_llm"\} 16', text)
+    for gauge in ("moepipe_batch_occupancy_ratio", "moepipe_queued_requests", "moepipe_kv_slots_used",
                   "moepipe_kv_tokens_used"):
         assert re.search(gauge + r'\{model="tensorrt_llm"\} \S+', text), gauge
+
+
+def test_a_plan_over_two_processes_returns_both_processes_samples():
+    """Two load-driver processes, each sending its share (an e2e test: they run for seconds)."""
+    import socket
+
+    from moepipe.validate import load as driver
+    from moepipe.validate.load import LoadPlan, Prompt
+
+    with socket.socket() as s:  # a port nothing listens on: every request is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = driver.run_load(LoadPlan(f"127.0.0.1:{port}", [Prompt("short", "x", 4)],
+                                      schedule=[(1.1, 6.0)], arrival="constant",
+                                      max_requests=6, processes=2, protocol="http",
+                                      timeout_s=2, duration_s=5))
+    # 3/s each for 1.1 s: both processes send 3
+    assert len(result.samples) == 6 and {s.status for s in result.samples} == {"failed"}
+    assert len(result.client_cpu_s) == 2 and len(result.client_wall_s) == 2

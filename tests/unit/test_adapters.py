@@ -48,6 +48,7 @@ def _pytorch(tmp_path, decoupled, monkeypatch):
     source = TARGETS / "trtllm-pytorch" / "model_repo" / "tensorrt_llm" / "1"
     (template / "model.py").write_text((source / "model.py").read_text())
     (template / "model.yaml").write_text(
+        "model: ../../hf\n"
         f"triton_config: {{max_batch_size: {SLOTS}, decoupled: {str(decoupled).lower()}}}\n")
     return triton_fake.load_model(template, tmp_path, triton_fake.module(), triton_fake.config(
         SLOTS, decoupled, exclude_input_in_output="false", trtllm_container="c",

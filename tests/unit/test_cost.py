@@ -9,7 +9,7 @@ import yaml
 from test_operations import _series, promtool, render
 
 from moepipe.cli import main
-from moepipe.config import parse_config
+from moepipe.config import RUNBOOKS, parse_config
 from moepipe.deploy.cluster import monitoring
 from moepipe.deploy.cluster.operate import RULES_FILE
 from moepipe.errors import ConfigError
@@ -138,11 +138,12 @@ def test_the_cost_rules_and_alert(tmp_path):
                 "exp_annotations": {
                     "summary": summary.format(i="dear", v="500"),
                     "description": "Too few tokens for what the deployment costs: scale it "
-                                   "in, or send it more traffic."}}]}],
+                                   "in, or send it more traffic.",
+                    "runbook_url": f"{RUNBOOKS}#runbook-moepipecostpertokenhigh"}}]}],
         "promql_expr_test": [
-            {"expr": f"round({monitoring.COST}, 0.001)", "eval_time": "10m",
+            {"expr": f"round({monitoring.recorded(120).cost}, 0.001)", "eval_time": "10m",
              "exp_samples": samples({"cheap": 10, "dear": 500, "engine": 50})},
-            {"expr": f"round({monitoring.COST_OUTPUT}, 0.001)", "eval_time": "10m",
+            {"expr": f"round({monitoring.recorded(120).cost_output}, 0.001)", "eval_time": "10m",
              "exp_samples": samples({"cheap": 10, "dear": 1000, "engine": 100})}],
     }]}
     path = out / "monitoring" / "cost_test.yml"
@@ -162,6 +163,7 @@ def test_rendered_rules_carry_the_configured_price(tmp_path):
     render_operations(cfg, out)
     rules = yaml.safe_load((out / "monitoring" / RULES_FILE).read_text())["groups"][0]["rules"]
     by = {r.get("record") or r["alert"]: r for r in rules}
-    assert by[monitoring.COST]["expr"].startswith("1000 / (")  # 2 GPUs x 1.8 US$/h
-    assert by["MoepipeCostPerTokenHigh"]["expr"] == f"{monitoring.COST} > 2"
+    cost = monitoring.recorded(cfg.deploy.monitoring.rate_window_s).cost
+    assert by[cost]["expr"].startswith("1000 / (")  # 2 GPUs x 1.8 US$/h
+    assert by["MoepipeCostPerTokenHigh"]["expr"] == f"{cost} > 2"
     assert "SUCCESS" in promtool("check", "rules", RULES_FILE, cwd=out / "monitoring")

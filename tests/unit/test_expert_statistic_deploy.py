@@ -20,6 +20,7 @@ from test_operations import (
     render,
 )
 
+from moepipe.config import RUNBOOKS
 from moepipe.deploy.cluster import k8s, monitoring
 from moepipe.deploy.cluster.operate import RULES_FILE, plan
 from moepipe.deploy.metric_names import exported, metrics_in
@@ -131,9 +132,11 @@ def test_the_imbalance_alert_fires_on_the_windows_counts(tmp_path):
                     "summary": "layer 3 of tensorrt_llm: tokens per expert std/mean = 1.559",
                     "description": "The router sends most tokens to a few experts: those "
                                    "experts' ranks bound the step time (expert parallelism "
-                                   "cannot balance the load)."}}]}],
+                                   "cannot balance the load).",
+                    "runbook_url": f"{RUNBOOKS}#runbook-moepipeexpertimbalance"}}]}],
         "promql_expr_test": [{
-            "expr": f"round({monitoring.EXPERT_IMBALANCE}, 0.000001)", "eval_time": "10m",
+            "expr": f"round({monitoring.recorded(120).expert_imbalance}, 0.000001)",
+            "eval_time": "10m",
             "exp_samples": [
                 {"labels": json.dumps(labels).replace('": "', '="').replace('", "', '",')
                  .replace('{"', "{"), "value": round(24300 ** 0.5 / 100, 6)},

@@ -166,19 +166,6 @@ def test_a_load_worker_stops_sending_on_sigterm_and_still_reports():
     assert {s["status"] for s in report["samples"]} <= {"failed"}
 
 
-def test_a_plan_over_two_processes_returns_both_processes_samples():
-    with socket.socket() as s:  # a port nothing listens on: every request is refused
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = driver.run_load(LoadPlan(f"127.0.0.1:{port}", [Prompt("short", "x", 4)],
-                                      schedule=[(1.1, 6.0)], arrival="constant",
-                                      max_requests=6, processes=2, protocol="http",
-                                      timeout_s=2, duration_s=5))
-    # 3/s each for 1.1 s: both processes send 3
-    assert len(result.samples) == 6 and {s.status for s in result.samples} == {"failed"}
-    assert len(result.client_cpu_s) == 2 and len(result.client_wall_s) == 2
-
-
 METRICS = """# HELP moepipe_expert_tokens_total Tokens routed
 # TYPE moepipe_expert_tokens_total counter
 moepipe_expert_tokens_total{expert="0",layer="0",model="tensorrt_llm"} 30

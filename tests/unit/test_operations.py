@@ -23,6 +23,7 @@ import yaml
 
 from moepipe.config import parse_config
 from moepipe.deploy.cluster import grafana, k8s, monitoring
+from moepipe.deploy.cluster.labels import COMPONENT_LABEL
 from moepipe.deploy.cluster.operate import RULES_FILE, render_operations
 from moepipe.deploy.metric_names import TRTLLM_FAMILIES, exported, metrics_in
 from moepipe.errors import ConfigError
@@ -164,7 +165,7 @@ def test_kubernetes_manifests_pass_kustomize_and_validators(tmp_path, target, ex
         assert c["resources"]["requests"].get("nvidia.com/gpu", 0) == gpus
         if target != "cpu":
             assert c["image"] == TRITON_TRTLLM_CONTAINER  # docker/versions.env
-        if tmpl["metadata"]["labels"]["role"] == "leader":
+        if tmpl["metadata"]["labels"][COMPONENT_LABEL] == "server":
             probes = {k: c[k]["httpGet"]["path"] for k in
                       ("startupProbe", "livenessProbe", "readinessProbe")}
             assert probes == {"startupProbe": "/v2/health/ready",
@@ -355,7 +356,7 @@ def test_promtool_unit_tests_of_the_alerts(tmp_path):
             alert("MoepipeQueueTimeHigh", "10m", severity="warning", model="flaky"),
         ]],
         "promql_expr_test": [{
-            "expr": f"round({monitoring.EXPERT_IMBALANCE}, 0.000001)", "eval_time": "10m",
+            "expr": f"round({monitoring.recorded(120).expert_imbalance}, 0.000001)", "eval_time": "10m",
             "exp_samples": [
                 {"labels": '{instance="skewed",job="moepipe",layer="0",model="tensorrt_llm"}',
                  "value": imbalance},

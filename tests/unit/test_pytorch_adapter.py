@@ -50,6 +50,7 @@ def _tensorrt_llm():
 
     class LLM:
         def __init__(self, **kwargs):
+            self.kwargs = kwargs
             self.tokenizer = types.SimpleNamespace(decode=lambda ids: " ".join(map(str, ids)))
 
         def generate_async(self, inputs, sampling_params, streaming):
@@ -73,6 +74,7 @@ def _load(monkeypatch, tmp_path, decoupled, model_yaml="", **extra):
     template.mkdir()
     (template / "model.py").write_text((TEMPLATE / "model.py").read_text())
     (template / "model.yaml").write_text(
+        "model: ../../hf\n"  # as rendered: relative to the model's folder
         f"triton_config: {{max_batch_size: 4, decoupled: {str(decoupled).lower()}}}\n"
         + model_yaml)
     return triton_fake.load_model(
@@ -105,6 +107,13 @@ def _run(model, request):
         request.sender.done.set()
     assert request.sender.done.wait(10)
     return request.sender.sent
+
+
+def test_the_checkpoint_is_found_relative_to_the_model_folder(model, tmp_path):
+    """model.yaml names the checkpoint relative to <repository>/tensorrt_llm (issue 25 item
+    1: the deployment may have moved); TensorRT-LLM gets it resolved against the folder the
+    Python backend passes as args["model_repository"], not against the server's cwd."""
+    assert model.llm.kwargs["model"] == str(tmp_path / "hf")
 
 
 def test_every_row_of_a_batch_is_served(model):

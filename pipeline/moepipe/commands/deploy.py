@@ -9,6 +9,7 @@ from pathlib import Path
 from moepipe.config import MoepipeConfig, load_config
 from moepipe.deploy.local import lifecycle
 from moepipe.deploy.render.repository import Artifacts, render_deployment
+from moepipe.deploy.serve_paths import ServePaths
 from moepipe.deploy.tritonserver import ServerCommand
 from moepipe.errors import MoepipeError
 from moepipe.targets import get_target
@@ -41,7 +42,8 @@ def artifacts(cfg: MoepipeConfig) -> Artifacts:
 def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:
     from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
-    out = repo.parent
+    paths = ServePaths.of(cfg)  # as it is where it will be served
+    out = Path(paths.absolute(paths.deploy_dir, "deploy.output"))
     lines = [f"deploy: the {cfg.target} target runs on NVIDIA GPUs inside "
              f"{TRITON_TRTLLM_CONTAINER} (TensorRT-LLM is not installed here), so no server "
              "was started."]
@@ -54,14 +56,15 @@ def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:
                      "GPU; it checks the engine's world size, the GPUs and the TensorRT-LLM "
                      "version before starting)")
     else:
-        server = ServerCommand.of(cfg, repo)
+        server = ServerCommand.of(cfg, Path(paths.repository()))
         env = ""
         window = cfg.deploy.trtllm.expert_statistic
         if window is not None:  # TensorRT-LLM's workers read it from the server's environment
             from moepipe.trtllm.expert_statistic import environment
 
+            where = paths.absolute(cfg.expert_statistic_dir, "the expert statistics")
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in environment(
-                window.start, window.stop, str(cfg.expert_statistic_dir)).items()) + " "
+                window.start, window.stop, where).items()) + " "
         lines.append(f"  in the container: {env}{shlex.join(['tritonserver', *server.args()])}")
     lines.append("  then: moepipe validate --url HOST:PORT --grpc-url HOST:PORT")
     return "\n".join(lines)

@@ -87,8 +87,10 @@ def previous_release(state_dir: Path) -> Release:
     return release
 
 
-def why_restart(cfg: MoepipeConfig, art: Artifacts, running: dict[str, Any]) -> str | None:
-    """What changed beyond the weights, in one phrase (None: only the weights)."""
+def why_restart(cfg: MoepipeConfig, art: Artifacts, running: dict[str, Any],
+                serving: str | None) -> str | None:
+    """What changed beyond the weights, in one phrase (None: only the weights); ``serving``:
+    the checkpoint the running model serves (as it says)."""
     from moepipe.arch.hf import tokenizer_files
     from moepipe.deploy.render.repository import MANIFEST, deployment_values
     from moepipe.runtime.checkpoint import read_config
@@ -119,8 +121,8 @@ def why_restart(cfg: MoepipeConfig, art: Artifacts, running: dict[str, Any]) -> 
                 (served / path.name).read_bytes() != path.read_bytes():
             return f"the tokenizer changed ({path.name})"
     try:
-        before = read_config(Path(old["checkpoint_dir"]))
-    except (KeyError, MoepipeError):
+        before = read_config(Path(serving or ""))
+    except MoepipeError:
         return "the serving checkpoint is gone"
     after = read_config(Path(Release.of(art).checkpoint))
     changed = structure_changes(before, after)
@@ -148,7 +150,7 @@ def update_running(cfg: MoepipeConfig, art: Artifacts, running: dict[str, Any],
         status = live.ask(where, {"op": "status"})
     except live.Unreachable as e:
         return {"restart": e.message}
-    why = why_restart(cfg, art, running)
+    why = why_restart(cfg, art, running, status.get("checkpoint"))
     if why is not None:
         return {"restart": why}
     serving = str(status.get("version") or "")

@@ -79,8 +79,8 @@ MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
                # moepipe.serving.metrics (HISTOGRAMS, GAUGES)
                *_histogram("moepipe_request_latency_seconds"),
                *_histogram("moepipe_time_to_first_token_seconds"),
-               *_histogram("moepipe_queue_time_seconds"), "moepipe_batch_occupancy",
-               "moepipe_queued_requests", "moepipe_kv_slots_used", "moepipe_kv_slots_total",
+               *_histogram("moepipe_queue_time_seconds"), "moepipe_batch_occupancy_ratio",
+               "moepipe_queued_requests", "moepipe_kv_slots_used", "moepipe_kv_slots",
                "moepipe_kv_tokens_used",
                # moepipe.serving.live: the weights version serving
                "moepipe_model_info",

@@ -6,8 +6,8 @@ Histograms (real buckets, so ``histogram_quantile`` works over any window):
 * ``moepipe_time_to_first_token_seconds`` - arrival to the first generated token,
 * ``moepipe_queue_time_seconds`` - arrival to admission into a KV-cache slot;
 
-gauges: ``moepipe_batch_occupancy`` (running requests / max_batch_size),
-``moepipe_queued_requests``, ``moepipe_kv_slots_used`` / ``moepipe_kv_slots_total`` and
+gauges: ``moepipe_batch_occupancy_ratio`` (running requests / max_batch_size),
+``moepipe_queued_requests``, ``moepipe_kv_slots_used`` / ``moepipe_kv_slots`` and
 ``moepipe_kv_tokens_used`` (prompt + generated tokens held in the KV cache).
 
 Every metric update is a call from the model's process into the server, so the engine thread
@@ -33,10 +33,10 @@ HISTOGRAMS = {
               "Queue time at the model: arrival to admission into a KV-cache slot"),
 }
 GAUGES = {
-    "occupancy": ("moepipe_batch_occupancy", "Running requests / max_batch_size"),
+    "occupancy": ("moepipe_batch_occupancy_ratio", "Running requests / max_batch_size"),
     "queued": ("moepipe_queued_requests", "Requests waiting for a KV-cache slot"),
     "slots_used": ("moepipe_kv_slots_used", "KV-cache slots held by running requests"),
-    "slots_total": ("moepipe_kv_slots_total", "KV-cache slots (max_batch_size)"),
+    "slots": ("moepipe_kv_slots", "KV-cache slots (max_batch_size)"),
     "kv_tokens": ("moepipe_kv_tokens_used", "Tokens held in the KV cache"),
 }
 
@@ -77,7 +77,7 @@ class ServingMetrics:
         for kind, value in pending:
             self.histograms[kind].observe(max(0.0, value))
         values = {"occupancy": load["running"] / self.max_batch_size, "queued": load["waiting"],
-                  "slots_used": load["slots_used"], "slots_total": self.max_batch_size,
+                  "slots_used": load["slots_used"], "slots": self.max_batch_size,
                   "kv_tokens": load["kv_tokens"]}
         for kind, value in values.items():
             self.gauges[kind].set(value)

@@ -1,4 +1,5 @@
-"""The Grafana dashboard of a deployment (``monitoring/grafana-dashboard.json``).
+"""The Grafana dashboard of a deployment (``monitoring/grafana-dashboard.json``, and as a
+ConfigMap for Grafana's dashboard sidecar in ``k8s/grafana/``).
 
 Classic dashboard JSON (Grafana "JSON model": uid, title, panels with gridPos, datasource,
 targets[{refId, expr, legendFormat}]), Prometheus datasource chosen by the ``datasource``
@@ -9,9 +10,11 @@ of a metric.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from moepipe.deploy.cluster import labels
 from moepipe.deploy.metric_names import exported, metrics_in
 from moepipe.targets import get_target
 
@@ -142,6 +145,30 @@ def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
         out["repeat"] = p.repeat
         out["repeatDirection"] = "h"
     return out
+
+
+UID_MAX = 40  # characters Grafana allows in a dashboard uid
+
+
+def dashboard_uid(name: str) -> str:
+    """``moepipe-<name>``, or, when that is longer than Grafana's 40 characters, its first 31
+    characters + ``-`` + 8 hex digits of the name's SHA-256: the same name always gives the
+    same uid (a re-render updates the dashboard in place), different names different ones."""
+    uid = f"moepipe-{name}"
+    if len(uid) <= UID_MAX:
+        return uid
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{uid[:UID_MAX - 9].rstrip('-')}-{digest}"
+
+
+def config_map(dashboard_json: str, uid: str, app: str) -> dict[str, Any]:
+    """The dashboard as a ConfigMap that Grafana's dashboard sidecar (the grafana Helm chart's
+    ``sidecar.dashboards``, kube-prometheus-stack) loads: labelled ``grafana_dashboard: "1"``,
+    the sidecar's default label, the JSON under a key ending in ``.json``."""
+    meta = labels.meta(f"{app}-grafana-dashboard", app, labels.DASHBOARD)
+    meta["labels"]["grafana_dashboard"] = "1"
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {f"{uid}.json": dashboard_json}}
 
 
 def _variable(name: str, query: str, multi: bool = True) -> dict[str, Any]:

@@ -17,9 +17,10 @@ non-root read-only-root security context and writable volumes of
 by prometheus-adapter, whose rule ``monitoring/prometheus-adapter.yaml`` holds) and a
 PodDisruptionBudget.
 
-The pods read the deployment through its absolute paths (config.pbtxt names the engine, the
-checkpoint and the tokenizer by path), so the PersistentVolumeClaim ``deploy.k8s.volume_claim``
-must hold the workdir and is mounted, read-only, at the workdir's own path.
+The PersistentVolumeClaim ``deploy.k8s.volume_claim`` holds the workdir and is mounted,
+read-only, at ``deploy.serve_root`` (default: the workdir's own path): the Python models find
+their files relative to the repository, and what a backend reads by absolute path (the engine)
+was rendered under that root (:mod:`moepipe.deploy.serve_paths`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ import yaml
 
 from moepipe.config import DNS1123_LABEL
 from moepipe.deploy.cluster import pod_security
+from moepipe.deploy.cluster.labels import (
+    INSTANCE_LABEL,
+    MONITORING,
+    SERVER,
+    WORKER,
+    labels,
+    meta,
+    selector,
+)
 from moepipe.deploy.tritonserver import RAISE_STACK, ServerCommand
 from moepipe.errors import ConfigError
 from moepipe.targets import get_target, targets_where
@@ -42,9 +52,6 @@ from moepipe.targets import get_target, targets_where
 # read-only); `kubectl cp` copies the folder out for `moepipe balance --counts`, or `moepipe
 # balance --metrics` reads the counts the pod exports.
 EXPERT_STATISTIC_DIR = "/var/lib/moepipe/expert-statistic"
-# Labels every object carries; the selector uses the first two.
-APP_LABEL = "app.kubernetes.io/name"
-PART_LABEL = "app.kubernetes.io/part-of"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 # Triton's ports, by name: the Service, probes and scrape configs refer to these names.
 PORT_NAMES = ("http", "grpc", "metrics")
@@ -108,7 +115,7 @@ class PodPlan:
     name: str
     image: str
     target: str
-    workdir: Path
+    serve_root: str  # where the workdir's volume is mounted (deploy.serve_root)
     server: ServerCommand  # bound to all of the pod's addresses
     ports: dict[str, int]
     gpus: int
@@ -156,7 +163,7 @@ def container(plan: PodPlan, name: str, command: list[str], *, serving: bool) ->
         "securityContext": pod_security.container_security(),
         "env": list(pod_security.ENV),
         "volumeMounts": [*(m for _, m in pod_security.writable_volumes(plan.shm_mib)),
-                         {"name": "workdir", "mountPath": str(plan.workdir),
+                         {"name": "workdir", "mountPath": plan.serve_root,
                           "readOnly": True}],
     }
     c["env"] += [{"name": k, "value": v} for k, v in plan.env]
@@ -202,26 +209,18 @@ def dump_all(docs: list[dict[str, Any]]) -> str:
     return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
 
 
-def labels(name: str, **extra: str) -> dict[str, str]:
-    return {APP_LABEL: name, PART_LABEL: "moepipe", **extra}
-
-
-def meta(name: str, app: str, **extra: str) -> dict[str, Any]:
-    return {"name": name, "labels": labels(app, **extra)}
-
-
 def deployment(plan: PodPlan, replicas: int) -> dict[str, Any]:
     app = plan.name
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(app, app),
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": {APP_LABEL: app}},
+            "selector": {"matchLabels": selector(app, SERVER)},
             # A new pod must be ready before an old one goes: capacity never drops.
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
-                "metadata": {"labels": labels(app, role="leader")},
+                "metadata": {"labels": labels(app, SERVER)},
                 "spec": pod_spec(plan, [container(plan, "triton",
                                                   serve_command(plan.server.args()),
                                                   serving=True)]),
@@ -392,7 +391,8 @@ def leader_worker_set(plan: PodPlan, shape_: Shape, replicas: int) -> dict[str, 
             (pod_security.leader_account if leader else pod_security.worker_account)(app)
         spec = pod_spec(plan, [c], service_account=account, api_access=leader)
         spec["volumes"].append(scripts)
-        return {"metadata": {"labels": labels(app, role=role)}, "spec": spec}
+        return {"metadata": {"labels": labels(app, SERVER if role == "leader" else WORKER)},
+                "spec": spec}
 
     # Workers wait; the leader's mpirun starts their ranks in them (GPU), or each runs its
     # own rank (cpu).
@@ -431,14 +431,14 @@ def objects(plan: PodPlan, shape_: Shape, *, min_replicas: int, max_replicas: in
             metric: str, target: str) -> dict[str, list[dict[str, Any]]]:
     """file name -> the objects it holds."""
     app = plan.name
-    leaders = {APP_LABEL: app, "role": "leader"}
+    leaders = selector(app, SERVER)
     if not shape_.multi_node:
         return {
             "deployment.yaml": [deployment(plan, min_replicas)],
             "service.yaml": [service(plan, selector=leaders)],
             "hpa.yaml": [hpa(plan, "Deployment", "apps/v1", min_replicas, max_replicas,
                              metric, target)],
-            "pdb.yaml": [pdb(plan, {APP_LABEL: app})],
+            "pdb.yaml": [pdb(plan, selector(app))],
         }
     return {
         "leaderworkerset.yaml": [leader_worker_set(plan, shape_, min_replicas)],
@@ -447,12 +447,12 @@ def objects(plan: PodPlan, shape_: Shape, *, min_replicas: int, max_replicas: in
            else {}),
         # The leaders serve; the headless Service gives every pod of a group a DNS name.
         "service.yaml": [service(plan, selector=leaders),
-                         service(plan, selector={APP_LABEL: app}, headless=True,
+                         service(plan, selector=selector(app), headless=True,
                                  name=f"{app}-group")],
         "hpa.yaml": [hpa(plan, "LeaderWorkerSet", LWS_API, min_replicas, max_replicas,
                          metric, target)],
         # Evicting any pod of a group restarts the group: at most one pod at a time.
-        "pdb.yaml": [pdb(plan, {APP_LABEL: app})],
+        "pdb.yaml": [pdb(plan, selector(app))],
     }
 
 
@@ -485,22 +485,28 @@ def write(out: Path, plan: PodPlan, shape_: Shape, *, namespace: str | None,
 
 
 def write_operator(out: Path, plan: PodPlan, rules: dict[str, Any], job: str) -> list[Path]:
-    """``k8s/prometheus-operator``: a PodMonitor on the pods' ``metrics`` port (job label
+    """``k8s/prometheus-operator`` (created): a PodMonitor on the pods' ``metrics`` port (job label
     ``job``, so the rules' ``up{job=...}`` matches) and the rules as a PrometheusRule."""
     app = plan.name
     docs = {
         "podmonitor.yaml": {
             "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
-            "metadata": meta(app, app),
-            "spec": {"selector": {"matchLabels": {APP_LABEL: app, "role": "leader"}},
-                     "jobLabel": APP_LABEL,
+            "metadata": meta(app, app, MONITORING),
+            "spec": {"selector": {"matchLabels": selector(app, SERVER)},
+                     "jobLabel": INSTANCE_LABEL,
                      "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics",
                                               "relabelings": [{"targetLabel": "job",
                                                                "replacement": job}]}]}},
         "prometheusrule.yaml": {
             "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-            "metadata": meta(app, app), "spec": rules},
+            "metadata": meta(app, app, MONITORING), "spec": rules},
     }
+    return write_folder(out, docs)
+
+
+def write_folder(out: Path, docs: dict[str, dict[str, Any]]) -> list[Path]:
+    """A kustomize folder ``out`` (created) of one object per file, ``docs``: file -> object."""
+    out.mkdir()
     written = []
     for fname, doc in docs.items():
         (out / fname).write_text(dump_all([doc]))

@@ -16,11 +16,16 @@ startup probe budget            ``deploy.ready_timeout_s``, at least ``Target.mi
                                 (GPU targets: 15 min)
 ports, exit timeout             ``deploy.<http,grpc,metrics>_port``, ``deploy.exit_timeout_s``
 server flags                    :class:`moepipe.deploy.tritonserver.ServerCommand`, on 0.0.0.0
+workdir volume mount            ``deploy.serve_root`` (default: the workdir's path)
 autoscaler, budget              ``deploy.k8s.{min,max}_replicas``, ``autoscale_metric``,
                                 ``autoscale_target``
-rules, scrape config            ``deploy.monitoring``; the cost rules: ``validate.cost``
+rules, scrape config            ``deploy.monitoring`` (runbook_url: ``runbooks``); the cost
+                                rules: ``validate.cost``
 environment, scratch folder     ``deploy.trtllm.expert_statistic``: TensorRT-LLM's
                                 ``EXPERT_STATISTIC_*`` variables, an emptyDir to write into
+dashboard uid                   ``moepipe-<deploy.k8s.name>``, hashed to 40 characters
+                                (:func:`moepipe.deploy.cluster.grafana.dashboard_uid`); also
+                                a ConfigMap for Grafana's sidecar in ``k8s/grafana``
 =============================== ==============================================================
 """
 
@@ -34,6 +39,7 @@ from moepipe import __version__
 from moepipe.config import MoepipeConfig
 from moepipe.deploy.cluster import grafana, k8s, monitoring
 from moepipe.deploy.metric_names import exported
+from moepipe.deploy.serve_paths import ServePaths
 from moepipe.deploy.tritonserver import ServerCommand
 from moepipe.errors import CheckpointError
 from moepipe.sizing.pods import pod_memory_mib
@@ -89,13 +95,14 @@ def plan(cfg: MoepipeConfig) -> tuple[k8s.PodPlan, k8s.Shape]:
     window = d.trtllm.expert_statistic
     env = {} if window is None else environment(window.start, window.stop,
                                                 k8s.EXPERT_STATISTIC_DIR)
+    paths = ServePaths.of(cfg)
     return k8s.PodPlan(
         name=k8s.check_name(kc.name, "deploy.k8s.name"),
         image=kc.image or default_image(cfg.target), target=cfg.target,
-        workdir=cfg.workdir,
+        serve_root=str(paths.serve_root),
         # the kubelet probes the pod IP and the Service forwards to it: the pod network is
         # the boundary
-        server=ServerCommand.of(cfg, cfg.deploy_dir / "model_repo", host="0.0.0.0"),
+        server=ServerCommand.of(cfg, Path(paths.repository()), host="0.0.0.0"),
         ports={"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port},
         gpus=shape.gpus_per_pod, cpu=f"{kc.cpus:g}", memory_mib=memory,
         shm_mib=k8s.shm_mib(python_instances(cfg)), volume_claim=kc.volume_claim,
@@ -108,17 +115,24 @@ def render_operations(cfg: MoepipeConfig, out: Path) -> list[Path]:
     written (the caller renames it into place when complete)."""
     pod, shape = plan(cfg)
     kc, mc = cfg.deploy.k8s, cfg.deploy.monitoring
-    hpa_metric = monitoring.HPA_METRICS[kc.autoscale_metric][1]
+    hpa_metric = monitoring.HPA_NAMES[kc.autoscale_metric]
     (out / "k8s").mkdir(parents=True)
     written = k8s.write(out / "k8s", pod, shape, namespace=kc.namespace,
                         min_replicas=kc.min_replicas, max_replicas=kc.max_replicas,
                         metric=hpa_metric, target=f"{kc.autoscale_target:g}")
     mon = out / "monitoring"
     mon.mkdir()
+    uid = grafana.dashboard_uid(pod.name)
+    dashboard = json.dumps(grafana.dashboard(
+        cfg.target, f"moepipe {pod.name} ({cfg.target})", uid,
+        fallback=cfg.deploy.fallback is not None, decoupled=cfg.deploy.decoupled,
+        expert_statistic=cfg.deploy.trtllm.expert_statistic is not None),
+        indent=2) + "\n"
     rules = monitoring.rules(window_s=mc.rate_window_s, for_s=mc.alert_for_s,
                              slo_p99_ms=mc.slo_p99_ms, max_error_ratio=mc.max_error_ratio,
                              max_queue_ms=mc.max_queue_ms,
                              max_expert_imbalance=mc.max_expert_imbalance,
+                             runbooks=mc.runbooks,
                              exported=exported(
                                  cfg.target, decoupled=cfg.deploy.decoupled,
                                  expert_statistic=cfg.deploy.trtllm.expert_statistic is not None),
@@ -132,18 +146,16 @@ def render_operations(cfg: MoepipeConfig, out: Path) -> list[Path]:
             scrape_interval_s=mc.scrape_interval_s,
             evaluation_interval_s=mc.evaluation_interval_s, rule_file=RULES_FILE)),
         "prometheus-adapter.yaml": monitoring.dump(monitoring.adapter_rules(
-            kc.autoscale_metric)),
-        "grafana-dashboard.json": json.dumps(grafana.dashboard(
-            cfg.target, f"moepipe {pod.name} ({cfg.target})", f"moepipe-{pod.name}",
-            fallback=cfg.deploy.fallback is not None, decoupled=cfg.deploy.decoupled,
-            expert_statistic=cfg.deploy.trtllm.expert_statistic is not None),
-            indent=2) + "\n",
+            kc.autoscale_metric, mc.rate_window_s)),
+        "grafana-dashboard.json": dashboard,
     }
     for name, text in files.items():
         (mon / name).write_text(text)
         written.append(mon / name)
     # In a cluster with the Prometheus Operator: the same rules and a PodMonitor.
     operator = out / "k8s" / "prometheus-operator"
-    operator.mkdir()
     written += k8s.write_operator(operator, pod, rules, monitoring.JOB)
+    # In a cluster with Grafana's dashboard sidecar: the dashboard as a labelled ConfigMap.
+    written += k8s.write_folder(out / "k8s" / "grafana", {
+        "dashboard-configmap.yaml": grafana.config_map(dashboard, uid, pod.name)})
     return written

@@ -9,6 +9,7 @@ as part of the deployment; the supervisor starts them again when the group loses
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ class RankGroup:
             return None
         if world <= 1 or not values.get("rank_listen"):
             return None
-        return cls(world, values["rank_listen"], values["checkpoint_dir"],
+        # rendered relative to the tensorrt_llm model's folder (moepipe.deploy.serve_paths)
+        checkpoint = Path(repository).resolve() / "tensorrt_llm" / values["checkpoint_dir"]
+        return cls(world, values["rank_listen"], os.path.normpath(checkpoint),
                    float(values.get("rank_form_timeout_s") or 180))
 
 

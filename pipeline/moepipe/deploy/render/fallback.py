@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from moepipe.deploy.render.targets import Artifacts, values_of
 from moepipe.deploy.render.templates import placeholders, render_tree, templates_root
+from moepipe.deploy.serve_paths import ServePaths
 from moepipe.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -39,9 +40,11 @@ def _tokenizer_bytes(model_dir: Path) -> dict[str, bytes]:
 
 
 def render_fallback(cfg: MoepipeConfig, art: Artifacts, fb_cfg: MoepipeConfig,
-                    fb_art: Artifacts, common: dict[str, str], repo: Path, out: Path) -> None:
+                    fb_art: Artifacts, common: dict[str, str], repo: Path,
+                    paths: ServePaths) -> None:
     """Write ``repo/tensorrt_llm_fallback`` from the fallback pipeline's build.
-    ``common`` are the primary's shared values (batching, queue, decoupled mode)."""
+    ``common`` are the primary's shared values (batching, queue, decoupled mode); ``paths``
+    the primary's (the fallback's files are named from the primary's repository)."""
     fb = cfg.deploy.fallback
     if fb is None:
         raise ConfigError("no deploy.fallback to render")
@@ -59,7 +62,7 @@ def render_fallback(cfg: MoepipeConfig, art: Artifacts, fb_cfg: MoepipeConfig,
     for path in src.rglob("*"):
         if path.is_file() and path.suffix in (".pbtxt", ".yaml", ".sh", ".md"):
             used |= placeholders(path.read_text())
-    values = {**common, **values_of(cfg.target)(fb_cfg, fb_art, out)}
+    values = {**common, **values_of(cfg.target)(fb_cfg, fb_art, paths)}
     if "world_size" in values:  # the small fallback runs in one process, every rank summed
         values["world_size"] = "1"
     dst = repo / FALLBACK_MODEL

@@ -21,6 +21,7 @@ from moepipe.deploy.render.fallback import bls_values, render_fallback
 from moepipe.deploy.render.targets import SHIPPED, Artifacts, values_of
 from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, flag
 from moepipe.deploy.render.templates import check_repository, render_tree, templates_root
+from moepipe.deploy.serve_paths import ServePaths
 from moepipe.errors import MoepipeError
 from moepipe.serving import core
 from moepipe.utils.fs import atomic_dir
@@ -29,14 +30,16 @@ from moepipe.utils.fs import atomic_dir
 SERVING_CORE = "serving_core"
 
 
-def common_values(cfg: MoepipeConfig, tokenizer_dir: Path, vocab_size: int) -> dict[str, str]:
+def common_values(cfg: MoepipeConfig, tokenizer_dir: str, vocab_size: int) -> dict[str, str]:
+    """The values every target's templates share (``tokenizer_dir``: as the Python models
+    name it, :meth:`ServePaths.from_model`)."""
     d = cfg.deploy
     return {
         "triton_max_batch_size": str(cfg.build.max_batch_size),
         "max_queue_delay_microseconds": str(d.max_queue_delay_microseconds),
         "max_queue_size": str(d.max_queue_size),
         "queue_timeout_microseconds": str(d.queue_timeout_microseconds),
-        "tokenizer_dir": str(tokenizer_dir),
+        "tokenizer_dir": tokenizer_dir,
         "add_special_tokens": flag(d.add_special_tokens),
         "skip_special_tokens": flag(d.skip_special_tokens),
         "vocab_size": str(vocab_size),
@@ -89,10 +92,12 @@ def ship_modules(modules: dict[str, str], out: Path) -> None:
 def deployment_values(cfg: MoepipeConfig, art: Artifacts) -> dict[str, str]:
     """Every template value of ``cfg.target``'s deployment of ``art`` (what the deployment's
     manifest records; a live update compares them with the running deployment's)."""
-    out = cfg.deploy_dir
-    # Paths inside the files point at the final location, not the temporary one.
-    values = common_values(cfg, out / "tokenizer", art.vocab_size)
-    values.update(values_of(cfg.target)(cfg, art, out))
+    # Paths inside the files point at the final location, not the temporary one, and
+    # where it is served: relative, or under deploy.serve_root (moepipe.deploy.serve_paths)
+    paths = ServePaths.of(cfg)
+    tokenizer = paths.from_model(cfg.deploy_dir / "tokenizer", "the tokenizer")
+    values = common_values(cfg, tokenizer, art.vocab_size)
+    values.update(values_of(cfg.target)(cfg, art, paths))
     return values
 
 
@@ -103,6 +108,8 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
     :mod:`moepipe.deploy.render.fallback`)."""
     target = cfg.target
     values = deployment_values(cfg, art)
+    paths = ServePaths.of(cfg)
+    tokenizer = values["tokenizer_dir"]
     out = cfg.deploy_dir
     out.parent.mkdir(parents=True, exist_ok=True)
     root = templates_root()
@@ -114,7 +121,7 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
         if fallback is not None:
             fb_cfg, fb_art = fallback
             render_fallback(cfg, art, fb_cfg, fb_art,
-                            common_values(fb_cfg, out / "tokenizer", fb_art.vocab_size), repo, out)
+                            common_values(fb_cfg, tokenizer, fb_art.vocab_size), repo, paths)
         for model in repo.iterdir():
             (model / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even empty
         ship_serving_core(repo)

@@ -12,6 +12,8 @@ code); a gRPC stream carries only the error's text (``ModelStreamInferResponse.e
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .errors import is_busy, triton_code
@@ -32,6 +34,15 @@ def request_parameters(request) -> dict:
     except (AttributeError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def model_path(args: dict, value: str) -> str:
+    """A path a model parameter names, as this server finds it: the renderer writes paths
+    relative to the model's folder (``args["model_repository"]``, ``<repository>/<model>``), so
+    a deployment moved or copied elsewhere still finds its files; an absolute path is kept."""
+    if os.path.isabs(value):
+        return value
+    return os.path.normpath(os.path.join(args["model_repository"], value))
 
 
 def flag(value: str | None, default: bool = False) -> bool:

@@ -20,14 +20,15 @@ from transformers import AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serving_core.checks import check_token_ids  # noqa: E402 - shipped beside this file
 from serving_core.errors import RequestError  # noqa: E402
-from serving_core.triton import error_response, flag, parameters  # noqa: E402
+from serving_core.triton import error_response, flag, model_path, parameters  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = parameters(json.loads(args["model_config"]))
-        self.tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"],
-                                                       trust_remote_code=False)
+        # relative to this model's folder (moepipe.deploy.serve_paths): the folder may move
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            model_path(args, params["tokenizer_dir"]), trust_remote_code=False)
         self.skip_special = flag(params.get("skip_special_tokens"), default=True)
         self.vocab_size = int(params.get("vocab_size") or len(self.tokenizer))
 

@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serving_core.triton import error_response, flag, parameters  # noqa: E402 - shipped beside
+from serving_core.triton import error_response, flag, model_path, parameters  # noqa: E402 - shipped beside
 
 # Inputs of TensorRT-LLM's preprocessing for features moepipe's models do not have.
 UNSUPPORTED = {"DECODER_QUERY": "decoder_text_input is for encoder-decoder models",
@@ -33,8 +33,9 @@ class TritonPythonModel:
     def initialize(self, args):
         cfg = json.loads(args["model_config"])
         params = parameters(cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"],
-                                                       trust_remote_code=False)
+        # relative to this model's folder (moepipe.deploy.serve_paths): the folder may move
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            model_path(args, params["tokenizer_dir"]), trust_remote_code=False)
         self.add_special_tokens = flag(params.get("add_special_tokens"))
         self.vocab_size = int(params.get("vocab_size") or len(self.tokenizer))
         # A prompt longer than max_input_len tokens of the longest token (twice, for

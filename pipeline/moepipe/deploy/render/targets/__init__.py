@@ -1,4 +1,5 @@
-"""Each target's template values: target name -> ``values(cfg, artifacts, out)``.
+"""Each target's template values: target name -> ``values(cfg, artifacts, paths)`` (``paths``:
+where the served deployment finds its files, :class:`moepipe.deploy.serve_paths.ServePaths`).
 
 What a target needs and supports is declared in :mod:`moepipe.targets`; here is only how its
 templates (``model_repo/targets/<name>/``) are filled. A declared target without a module here
@@ -10,17 +11,17 @@ container has no moepipe), by path in the deployment folder.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moepipe.deploy.render.targets import cpu, trtllm_engine, trtllm_pytorch
 from moepipe.deploy.render.targets.base import Artifacts
+from moepipe.deploy.serve_paths import ServePaths
 from moepipe.errors import MoepipeError
 
 if TYPE_CHECKING:
     from moepipe.config import MoepipeConfig
 
-Values = Callable[["MoepipeConfig", Artifacts, Path], dict[str, str]]
+Values = Callable[["MoepipeConfig", Artifacts, ServePaths], dict[str, str]]
 
 VALUES: dict[str, Values] = {
     "cpu": cpu.values,

@@ -3,22 +3,24 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moepipe.deploy.local.state import control_socket
 from moepipe.deploy.render.targets.base import Artifacts, flag, quotable
+from moepipe.deploy.serve_paths import ServePaths
 from moepipe.errors import MoepipeError
 
 if TYPE_CHECKING:
     from moepipe.config import MoepipeConfig
 
 
-def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
+def values(cfg: MoepipeConfig, art: Artifacts, paths: ServePaths) -> dict[str, str]:
+    """Values of ``targets/cpu``: the checkpoint relative to the model's folder (the model
+    resolves it against ``args["model_repository"]``), the limits and the engine's threads."""
     if art.checkpoint_dir is None or not (art.checkpoint_dir / "config.json").is_file():
         raise MoepipeError("no converted checkpoint to serve", "run `moepipe build` first")
     return {
-        "checkpoint_dir": str(art.checkpoint_dir.resolve()),
+        "checkpoint_dir": paths.from_model(art.checkpoint_dir, "the converted checkpoint"),
         "max_seq_len": str(cfg.build.max_seq_len),
         "max_input_len": str(cfg.build.max_input_len),
         "exclude_input_in_output": flag(cfg.deploy.exclude_input_in_output),
@@ -30,7 +32,7 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
         "rank_form_timeout_s": f"{cfg.deploy.ready_timeout_s:g}",
         "weights_version": quotable(art.version, "the build fingerprint"),
         # where `moepipe deploy` asks the running model to load new weights (owner only)
-        "control_socket": str(control_socket(cfg.workdir)),
+        "control_socket": paths.from_model(control_socket(cfg.workdir), "the control socket"),
     }
 
 

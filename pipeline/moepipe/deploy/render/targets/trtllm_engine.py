@@ -7,7 +7,10 @@
 value                           source
 =============================== ==============================================================
 engine_dir                      ``Artifacts.engine_dir``; without one (no GPU here yet)
-                                ``<workdir>/engine``, where ``moepipe build`` puts it
+                                ``<workdir>/engine``, where ``moepipe build`` puts it; as
+                                it is when served: under ``deploy.serve_root``
+engine_tokenizer_dir            ``<deploy>/tokenizer`` under ``deploy.serve_root`` (the C++
+                                backend's tokenizer_dir is absolute)
 logits_datatype                 ``logits_dtype`` of the engine's config.json; before the engine
                                 exists ``build.logits_dtype`` (what trtllm-build is given), as
                                 the backend checks that they agree
@@ -21,7 +24,8 @@ optional_parameters             ``deploy.trtllm`` max_tokens_in_paged_kv_cache,
                                 max_attention_window_size, decoding_mode: one parameter line
                                 each when set, nothing when None (TensorRT-LLM's default)
 exclude_input_in_output         ``deploy.exclude_input_in_output``
-deploy_dir                      ``cfg.deploy_dir`` (launch.sh serves ``<deploy_dir>/model_repo``)
+deploy_dir                      ``cfg.deploy_dir`` under ``deploy.serve_root`` (launch.sh
+                                serves ``<deploy_dir>/model_repo``)
 world_size, tp_size, pp_size    ``parallel`` resolved by :class:`moepipe.mapping.Mapping`;
                                 world_size = tp x pp
 host, http_port, grpc_port,     ``deploy.<same name>`` (launch.sh's message)
@@ -37,7 +41,7 @@ Literal in the template (facts of the backend, not choices): ``num_nodes`` 1 (la
 every rank on one node), ``FORCE_CPU_ONLY_INPUT_TENSORS`` no, ``executor_worker_path`` (the
 container's worker binary), and empty ``guided_decoding_backend`` /
 ``xgrammar_tokenizer_info_path`` (guided decoding off; the backend fails to load without the
-keys). ``tokenizer_dir`` is the shared value (``<deploy>/tokenizer``). Left out, so
+keys). Left out, so
 TensorRT-LLM decides: ``gpu_device_ids`` (leader mode uses the visible GPUs in rank order;
 launch.sh checks there are exactly world_size) and ``participant_ids`` (orchestrator mode only).
 launch.sh reads the world size, max_beam_width and version from the engine's own config.json at
@@ -54,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, Artifacts, flag, quotable
+from moepipe.deploy.serve_paths import ServePaths
 from moepipe.deploy.tritonserver import RAISE_STACK, ServerCommand
 from moepipe.errors import CheckpointError, MappingError
 from moepipe.trtllm.engine import check_engine_version, engine_world_size
@@ -82,7 +87,7 @@ def _parameter(key: str, value: str) -> str:
     return f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
 
 
-def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
+def values(cfg: MoepipeConfig, art: Artifacts, paths: ServePaths) -> dict[str, str]:
     """Values of ``targets/trtllm-engine`` (see the module docstring for each source)."""
     t = cfg.deploy.trtllm
     d = cfg.deploy
@@ -101,7 +106,10 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
                 "max_attention_window_size": t.max_attention_window_size,
                 "decoding_mode": t.decoding_mode}
     return {
-        "engine_dir": quotable(str(engine), "engine_dir"),
+        "engine_dir": quotable(paths.absolute(engine, "the engine"), "engine_dir"),
+        # the C++ backend reads it by absolute path (the Python models' is relative)
+        "engine_tokenizer_dir": quotable(paths.absolute(paths.deploy_dir / "tokenizer",
+                                                        "the tokenizer"), "tokenizer_dir"),
         "logits_datatype": _logits_datatype(engine_cfg, cfg),
         "batching_strategy": t.batching_strategy,
         "max_beam_width": str(t.max_beam_width),
@@ -118,7 +126,8 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
         "optional_parameters": "\n".join(_parameter(k, str(v)) for k, v in optional.items()
                                          if v is not None),
         # launch.sh
-        "deploy_dir": quotable(str(out.resolve()), "deploy.output"),
+        "deploy_dir": quotable(paths.absolute(paths.deploy_dir, "deploy.output"),
+                               "deploy.output"),
         "world_size": str(mapping.world_size),
         "tp_size": str(mapping.tp),
         "pp_size": str(mapping.pp),
@@ -127,7 +136,7 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
         "grpc_port": str(d.grpc_port),
         "metrics_port": str(d.metrics_port),
         "tritonserver": quotable(str(d.tritonserver or "tritonserver"), "deploy.tritonserver"),
-        "mpi_ranks": ServerCommand.of(cfg, out.resolve() / "model_repo")
+        "mpi_ranks": ServerCommand.of(cfg, Path(paths.repository()))
         .mpi_ranks('"$TRITONSERVER"', '"$WORLD_SIZE"'),
         "raise_stack": RAISE_STACK,
         "trtllm_container": TRITON_TRTLLM_CONTAINER,

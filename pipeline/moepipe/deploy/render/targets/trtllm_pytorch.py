@@ -5,7 +5,10 @@
 =============================== ==============================================================
 value                           source
 =============================== ==============================================================
-hf_model_dir                    ``Artifacts.hf_serving_dir``, else ``Artifacts.model_dir``
+hf_model_dir                    ``Artifacts.hf_serving_dir``, else ``Artifacts.model_dir``:
+                                relative to the model's folder, which model.py resolves
+                                against ``args["model_repository"]`` (a checkpoint outside
+                                the workdir: its path under ``deploy.serve_root``)
 tensor_parallel_size, ...       ``parallel`` resolved by :class:`moepipe.mapping.Mapping`
                                 (pipeline, moe_tensor and moe_expert parallel sizes too)
 moe_backend                     ``deploy.trtllm.moe_backend`` (moe_config.backend)
@@ -41,12 +44,12 @@ The ``triton_config`` block of model.yaml mirrors config.pbtxt's max_batch_size 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
 from moepipe.deploy.render.targets.base import Artifacts, flag, quotable
+from moepipe.deploy.serve_paths import ServePaths
 from moepipe.mapping import Mapping
 from moepipe.trtllm.expert_statistic import ENV_ITER_RANGE, ENV_PATH, environment
 from moepipe.trtllm.load_balancer import read_placement
@@ -56,14 +59,14 @@ if TYPE_CHECKING:
     from moepipe.config import MoepipeConfig
 
 
-def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
+def values(cfg: MoepipeConfig, art: Artifacts, paths: ServePaths) -> dict[str, str]:
     """Values of ``targets/trtllm-pytorch`` (see the module docstring for each source)."""
     t = cfg.deploy.trtllm
     mapping = cfg.parallel.to_mapping()
-    model = (art.hf_serving_dir or art.model_dir).resolve()
+    model = paths.from_model(art.hf_serving_dir or art.model_dir, "the served checkpoint")
     window = t.max_attention_window_size
     return {
-        "hf_model_dir": quotable(str(model), "model path"),
+        "hf_model_dir": quotable(model, "model path"),
         "tensor_parallel_size": str(mapping.tp),
         "pipeline_parallel_size": str(mapping.pp),
         "moe_tensor_parallel_size": str(mapping.moe_tp),
@@ -84,15 +87,17 @@ def values(cfg: MoepipeConfig, art: Artifacts, out: Path) -> dict[str, str]:
         "exclude_input_in_output": flag(cfg.deploy.exclude_input_in_output),
         "trtllm_container": TRITON_TRTLLM_CONTAINER,
         "trtllm_version": TRTLLM_ENGINE_VERSION,
-        **_expert_statistic(cfg),
+        **_expert_statistic(cfg, paths),
     }
 
 
-def _expert_statistic(cfg: MoepipeConfig) -> dict[str, str]:
+def _expert_statistic(cfg: MoepipeConfig, paths: ServePaths) -> dict[str, str]:
     window = cfg.deploy.trtllm.expert_statistic
     if window is None:
         return {"expert_statistic_iters": "", "expert_statistic_path": ""}
-    env = environment(window.start, window.stop, str(cfg.expert_statistic_dir))
+    # where the server writes them: the workdir as it is served (deploy.serve_root)
+    env = environment(window.start, window.stop,
+                      paths.absolute(cfg.expert_statistic_dir, "the expert statistics"))
     return {"expert_statistic_iters": env[ENV_ITER_RANGE],
             "expert_statistic_path": quotable(env[ENV_PATH], "workdir")}
 

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serving_core import checks, contract, responses  # noqa: E402 - shipped beside this file
 from serving_core.admission import Admission  # noqa: E402
 from serving_core.frontend import Frontend  # noqa: E402
-from serving_core.triton import flag, parameters  # noqa: E402
+from serving_core.triton import flag, model_path, parameters  # noqa: E402
 
 from moepipe.runtime.checkpoint import load_checkpoint  # noqa: E402
 from moepipe.runtime.model import ReferenceModel  # noqa: E402
@@ -50,9 +50,11 @@ METRICS_PERIOD_S = 0.5
 LOGITS_DTYPES = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16}
 
 
-def build_engine(params: dict, max_batch_size: int, on_step, leader=None) -> Batcher:
+def build_engine(args: dict, params: dict, max_batch_size: int, on_step, leader=None
+                 ) -> Batcher:
     """The engine this model serves, built in this one place: the in-flight batcher over the
-    reference model of ``checkpoint_dir``, holding at most ``max_batch_size`` running and
+    reference model of ``checkpoint_dir`` (relative to the model's folder,
+    ``args["model_repository"]``), holding at most ``max_batch_size`` running and
     ``max_queue_size`` waiting requests (the core's admission, so its busy refusals are the
     core's). What the adapter uses of it: ``submit_all``, ``start``, ``stop``, ``model``
     (vocab_size, expert_tokens), ``max_input_len`` / ``max_seq_len`` and the metrics readers
@@ -61,14 +63,14 @@ def build_engine(params: dict, max_batch_size: int, on_step, leader=None) -> Bat
     admission = Admission(max_batch_size, int(params.get("max_queue_size") or 0),
                           int(params.get("queue_timeout_microseconds") or 0) / 1e6)
     model = leader.model if leader is not None else \
-        ReferenceModel(load_checkpoint(params["checkpoint_dir"]))
+        ReferenceModel(load_checkpoint(model_path(args, params["checkpoint_dir"])))
     return Batcher(model, max_batch_size=max_batch_size, max_seq_len=int(params["max_seq_len"]),
                    max_input_len=int(params["max_input_len"]), on_step=on_step,
                    admission=admission, health=leader,
                    version=params.get("weights_version") or "")
 
 
-def form_group(params: dict, max_batch_size: int):
+def form_group(args: dict, params: dict, max_batch_size: int):
     """World size > 1: rank 0 of the rank group, returned once every worker has joined (ready
     then means the group serves); None for one process."""
     world_size = int(params.get("world_size") or 1)
@@ -77,7 +79,7 @@ def form_group(params: dict, max_batch_size: int):
     from moepipe.ranks.leader import GroupSettings, Leader
 
     leader = Leader(
-        params["checkpoint_dir"],
+        model_path(args, params["checkpoint_dir"]),
         GroupSettings(world_size, os.environ.get("MOEPIPE_RANK_LISTEN") or params["rank_listen"],
                       float(params["collective_timeout_s"]), float(params["rank_form_timeout_s"])),
         max_batch_size=max_batch_size, max_seq_len=int(params["max_seq_len"]),
@@ -97,8 +99,8 @@ class TritonPythonModel:
         # requests spend more time queued for the GIL than in the batch.
         sys.setswitchinterval(0.0002)
         max_batch_size = int(cfg["max_batch_size"])
-        self.leader = form_group(params, max_batch_size)
-        self.engine = e = build_engine(params, max_batch_size, self._on_step, self.leader)
+        self.leader = form_group(args, params, max_batch_size)
+        self.engine = e = build_engine(args, params, max_batch_size, self._on_step, self.leader)
         self.counters = EngineCounters(pb_utils, self.name, e.model)
         self.serving_metrics = ServingMetrics(pb_utils, self.name, max_batch_size)
         # TensorRT-LLM's nv_trt_llm_request_metrics / nv_trt_llm_kv_cache_block_metrics.
@@ -122,8 +124,9 @@ class TritonPythonModel:
         # metric calls are made on the outbox thread only (see _on_step)
         self.version_metric = VersionMetric(pb_utils, self.name, e.versions.serving)
         # with a rank group, every rank stages its part of a new version (moepipe.ranks)
-        self.control = start_control(params.get("control_socket"), LiveUpdates(
-            e, params["checkpoint_dir"], group=self.leader,
+        where = params.get("control_socket")
+        self.control = start_control(where and model_path(args, where), LiveUpdates(
+            e, model_path(args, params["checkpoint_dir"]), group=self.leader,
             on_switch=lambda old, new: self.frontend.outbox.put(self.version_metric.set, new)))
         e.start()
 

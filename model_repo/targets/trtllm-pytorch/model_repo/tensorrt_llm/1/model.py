@@ -34,7 +34,7 @@ import expert_statistic  # noqa: E402 - beside this file (moepipe.trtllm.expert_
 from serving_core import checks, contract, responses  # noqa: E402 - shipped beside this file
 from serving_core.admission import Admission  # noqa: E402
 from serving_core.frontend import Frontend  # noqa: E402
-from serving_core.triton import flag, parameters  # noqa: E402
+from serving_core.triton import flag, model_path, parameters  # noqa: E402
 
 # How often the folder of TensorRT-LLM's expert statistics is looked at until they are written.
 STATISTIC_POLL_S = 5.0
@@ -57,6 +57,9 @@ class TritonPythonModel:
         with open(path) as f:
             llm_args = yaml.safe_load(f)
         triton = llm_args.pop("triton_config")
+        # model.yaml names the checkpoint relative to this model's folder (the deployment may
+        # have moved since it was rendered); TensorRT-LLM would read it from the server's cwd
+        llm_args["model"] = model_path(args, str(llm_args["model"]))
         if int(triton["max_batch_size"]) != int(cfg["max_batch_size"]) \
                 or bool(triton["decoupled"]) != decoupled:
             raise RuntimeError(f"{path}: triton_config {triton} disagrees with config.pbtxt "
