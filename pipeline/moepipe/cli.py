@@ -382,12 +382,17 @@ def build(config: Path | None = ConfigOpt,
 
 
 @app.command()
-def deploy(config: Path | None = ConfigOpt, as_json: bool = JsonOpt) -> None:
-    """Render the Triton model repository; for the cpu target start a local Triton server."""
+def deploy(config: Path | None = ConfigOpt, as_json: bool = JsonOpt,
+           rollback: bool = typer.Option(False, "--rollback", help="Return to the version "
+                                         "the last update replaced (validated first, as an "
+                                         "update).")) -> None:
+    """Render the Triton model repository; for the cpu target start a local Triton server, or
+    update a running one in place when only the weights changed (validated before traffic
+    moves)."""
     from moepipe.commands.deploy import run_deploy
     from moepipe.config import load_config
 
-    result = run_deploy(load_config(config), echo=_say(as_json))
+    result = run_deploy(load_config(config), echo=_say(as_json), rollback=rollback)
     if as_json:
         _emit(result)
 
@@ -442,8 +447,9 @@ def status(config: Path | None = ConfigOpt,
         sup = f"  supervised (restarts {info['restarts']}/{info['max_restarts']})" \
             if info.get("supervised") else ""
         ranks = f"  ranks {len(info['ranks']) + 1}" if info.get("ranks") else ""
+        version = f"  version {info['version']}" if info.get("version") else ""
         typer.echo(f"running  pid {info['pid']}  http {info['http']}  grpc {info['grpc']}  "
-                   f"metrics {info['metrics']}{ranks}{sup}")
+                   f"metrics {info['metrics']}{version}{ranks}{sup}")
     elif info.get("dead_ranks"):
         typer.echo(f"not serving: worker {info['dead_ranks'][0]} of the rank group is gone "
                    f"(tritonserver pid {info['pid']} is up; the supervisor starts the group "

@@ -21,6 +21,10 @@ def test_a_step_description_round_trips():
     assert (got.batch.seq_lens, got.batch.past_lens, got.batch.slots) == \
         ([3, 1, 1], [0, 7, 12], [2, 0, 5])
     assert Step.decode(Step(Op.STOP).encode()).op == Op.STOP
+    # a live update: the version a forward runs on, and what a STAGE loads
+    assert Step.decode(Step(Op.FORWARD, 3, batch, weights=2).encode()).weights == 2
+    stage = Step.decode(Step(Op.STAGE, weights=5, detail='{"checkpoint": "/c"}').encode())
+    assert (stage.op, stage.weights, stage.detail) == (Op.STAGE, 5, '{"checkpoint": "/c"}')
 
 
 def test_frames_cross_a_socket_and_an_end_is_seen():

@@ -4,7 +4,7 @@
 ``model.safetensors.index.json``), validates every header against the file (truncation, offsets
 that lie, overlapping tensors) before anything is converted, and reads only the bytes a slice
 needs with ``pread`` - no mmap, so resident memory stays bounded by what is in flight.
-:func:`load_file` loads one whole file (the reference runtime's rank files).
+:func:`load_file` loads one file, or some of its tensors (the reference runtime's rank files).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
 from moepipe.checkpoints.dtypes import DTYPES, DType
@@ -273,12 +275,21 @@ class CheckpointReader:
             pread_into(self._fd(path), buf, offset, path)
 
 
-def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Load every tensor of one safetensors file (validated first; no pickle, no mmap)."""
+def load_file(path: str | os.PathLike,
+              names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Load the tensors ``names`` (default: every tensor) of one safetensors file (validated
+    first; no pickle, no mmap: the file may be replaced while its tensors are in use)."""
     import torch
 
     path = Path(path)
     infos = parse_header(path)
+    if names is not None:
+        wanted = list(names)
+        missing = [n for n in wanted if n not in infos]
+        if missing:
+            raise CheckpointError(f"{path}: no tensor '{missing[0]}'",
+                                  "the file does not match its manifest; build it again")
+        infos = {n: infos[n] for n in wanted}
     out = {}
     fd = os.open(path, os.O_RDONLY)
     try:

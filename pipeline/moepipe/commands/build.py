@@ -338,3 +338,19 @@ def model_dir(cfg: MoepipeConfig) -> Path:
         raise MoepipeError(f"the example {cfg.model.example} has not been built in "
                            f"{cfg.workdir}", "run `moepipe build` first")
     return entry.output
+
+
+# The stage whose output each kind of artifact is: its fingerprint is the deployment's version
+# (``hf``: the quantize stage's checkpoint where it runs, else the source).
+SERVED_STAGE = {"checkpoint": "convert", "engine": "engine"}
+
+
+def served_version(cfg: MoepipeConfig) -> str:
+    """The build fingerprint of what the config's deployment serves (12 hex digits): its
+    version in status, metrics, reports and live updates."""
+    from moepipe.targets import get_target
+
+    fps = {e.stage.name: e.fingerprint for e in plan(cfg)}
+    stage = SERVED_STAGE.get(get_target(cfg.target).artifact) or \
+        ("quantize" if "quantize" in fps else "source")
+    return fps.get(stage, fps["source"])[:12]

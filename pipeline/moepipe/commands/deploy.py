@@ -16,14 +16,15 @@ from moepipe.targets import get_target
 
 
 def state_dir(cfg: MoepipeConfig) -> Path:
-    # Not "triton": a folder of that name in the working directory would shadow OpenAI Triton
-    # for `python -m moepipe` run there.
-    return cfg.workdir / "server"
+    """Where the config's local deployment is recorded."""
+    from moepipe.deploy.local.state import state_dir as local_state_dir
+
+    return local_state_dir(cfg.workdir)
 
 
 def artifacts(cfg: MoepipeConfig) -> Artifacts:
     """What the last `moepipe build` of this workdir produced."""
-    from moepipe.commands.build import model_dir, outputs
+    from moepipe.commands.build import model_dir, outputs, served_version
     from moepipe.stages.registry import STAGES
     from moepipe.utils.fs import read_json
 
@@ -35,7 +36,7 @@ def artifacts(cfg: MoepipeConfig) -> Artifacts:
     serving = built.get("quantize") or model
     vocab = read_json((ckpt or serving) / "config.json", "the checkpoint")["vocab_size"]
     return Artifacts(model_dir=model, checkpoint_dir=ckpt, engine_dir=built.get("engine"),
-                     hf_serving_dir=serving, vocab_size=int(vocab))
+                     hf_serving_dir=serving, vocab_size=int(vocab), version=served_version(cfg))
 
 
 def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:
@@ -74,9 +75,29 @@ def repository_dir(cfg: MoepipeConfig) -> Path:
     return cfg.deploy_dir / "model_repo"
 
 
-def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
+def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print,
+               rollback: bool = False) -> dict:
+    """Render and (cpu) start the deployment of the config's build. A running local
+    deployment of the same model is updated in place (:mod:`moepipe.commands.update`);
+    ``rollback`` returns to the version the last update or deploy replaced."""
+    from moepipe.commands.update import previous_release, update_running
+
     where = state_dir(cfg)
     current = lifecycle.status(where)
+    target = get_target(cfg.target)
+    if rollback and not target.live_update:
+        raise MoepipeError(f"--rollback returns a local {cfg.target} deployment to its "
+                           "previous version; this target is not served here",
+                           "deploy the previous build's config instead")
+    art = previous_release(where).artifacts() if rollback else None
+    if current.get("server_alive") and target.live_update:
+        art = art or artifacts(cfg)
+        result = update_running(cfg, art, current, echo)
+        if "restart" not in result:
+            return result
+        echo(f"deploy: {result['restart']}: restarting the server (requests in flight end)")
+        lifecycle.stop(where)
+        current = lifecycle.status(where)
     if current.get("server_alive"):
         raise MoepipeError(f"a server is already running for this workdir (pid "
                            f"{current['pid']}, http {current['http']})",
@@ -89,7 +110,7 @@ def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
         from moepipe.utils.memory import available_cpus
 
         cfg.deploy.check_machine(available_cpus())
-    art = artifacts(cfg)
+    art = art or artifacts(cfg)
     fallback = None
     if cfg.deploy.fallback is not None:
         fb_cfg = load_config(cfg.deploy.fallback.config)
@@ -109,7 +130,8 @@ def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
                                 timeout=d.ready_timeout_s, exit_timeout=d.exit_timeout_s,
                                 binary=d.tritonserver)
         state = spawn(where, state, d.max_restarts)
-    echo(f"deploy: tritonserver ready (pid {state.pid})\n"
+    _record(cfg, art)
+    echo(f"deploy: tritonserver ready (pid {state.pid}), version {art.version}\n"
          f"  http     http://{state.http}  (POST /v2/models/ensemble/generate)\n"
          f"  grpc     {state.grpc}\n"
          f"  metrics  http://{state.metrics}/metrics\n"
@@ -117,4 +139,16 @@ def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print) -> dict:
          f"  restarts up to {d.max_restarts} time(s) if the server or a model process dies "
          "(deploy.max_restarts)\n"
          "  stop with `moepipe stop`")
-    return state.to_status(True)
+    return {**state.to_status(True), "version": art.version}
+
+
+def _record(cfg: MoepipeConfig, art: Artifacts) -> None:
+    """Remember the version a fresh deploy serves, and the one it replaced (if another)."""
+    from moepipe.commands.update import Release
+    from moepipe.deploy.local.live import read_versions, record_versions
+
+    now = Release.of(art).to_dict()
+    before = read_versions(state_dir(cfg))
+    last = before.get("serving") or {}
+    previous = last if last.get("version") not in (None, art.version) else before.get("previous")
+    record_versions(state_dir(cfg), now, previous)

@@ -13,12 +13,12 @@ from moepipe.validate.report import Report
 
 
 def endpoint_for(cfg: MoepipeConfig, url: str | None, grpc_url: str | None) -> Endpoint:
-    from moepipe.commands.deploy import state_dir
     from moepipe.deploy.local import lifecycle
+    from moepipe.deploy.local.state import state_dir
 
     http = url or cfg.validation.url
     grpc = grpc_url or cfg.validation.grpc_url
-    st = lifecycle.status(state_dir(cfg))
+    st = lifecycle.status(state_dir(cfg.workdir))
     if http is None:
         http = st["http"] if st.get("running") else f"{cfg.deploy.host}:{cfg.deploy.http_port}"
     if grpc is None:
@@ -33,8 +33,8 @@ def endpoint_for(cfg: MoepipeConfig, url: str | None, grpc_url: str | None) -> E
 def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | None = None,
                  jobs: list[str] | None = None,
                  echo: Callable[[str], None] = print) -> tuple[Report, tuple]:
-    from moepipe.commands.build import model_dir, outputs
-    from moepipe.commands.deploy import state_dir
+    from moepipe.commands.build import model_dir, outputs, served_version
+    from moepipe.deploy.local.state import state_dir
     from moepipe.errors import MoepipeError
 
     ep = endpoint_for(cfg, url, grpc_url)
@@ -46,25 +46,57 @@ def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | Non
         checkpoint = outputs(cfg).get("convert")
     except MoepipeError:
         checkpoint = None
-    ctx = JobContext(ep, cfg, source, checkpoint, state_dir(cfg))
-    report = Report(target=cfg.target, endpoint={"http": ep.http, "grpc": ep.grpc})
-    reachable = preflight(ep, cfg.validation.prompts[0])
+    try:
+        built = served_version(cfg)
+    except MoepipeError:
+        built = None
+    ctx = JobContext(ep, cfg, source, checkpoint, state_dir(cfg.workdir))
+    report = run_jobs(ctx, list(jobs or cfg.validation.jobs), echo,
+                      version=serving_version(ep) or built)
+    paths = report.write(cfg.workdir / "reports")
+    if not report.reachable:
+        raise down(report.jobs[0], ep, str(paths[1]))
+    why = "" if report.checked else " (no check ran: every one was skipped)"
+    echo(f"validate {'PASSED' if report.passed else 'FAILED'}{why} against http {ep.http}, "
+         f"grpc {ep.grpc}; reports: {', '.join(str(p) for p in paths)}")
+    return report, paths
+
+
+def run_jobs(ctx: JobContext, jobs: list[str], echo: Callable[[str], None],
+             version: str | None = None) -> Report:
+    """Run ``jobs`` against ``ctx``'s endpoint, one line per case; an endpoint that does not
+    answer ends the report at its pre-flight (``report.reachable`` is False)."""
+    ep = ctx.endpoint
+    report = Report(target=ctx.cfg.target, endpoint={"http": ep.http, "grpc": ep.grpc},
+                    version=version)
+    reachable = preflight(ep, ctx.cfg.validation.prompts[0])
     if not reachable.passed:  # fail fast: every job would wait its own timeouts
         report.jobs.append(reachable)
-        paths = report.write(cfg.workdir / "reports")
-        raise down(reachable, ep, str(paths[1]))
-    names = jobs or cfg.validation.jobs
-    for i, name in enumerate(names, 1):
+        report.reachable = False
+        return report
+    for i, name in enumerate(jobs, 1):
         # the load jobs plan and count their requests in it (moepipe.validate.load)
-        with task(f"validate {name} (job {i} of {len(names)})", unit="requests"):
+        with task(f"validate {name} (job {i} of {len(jobs)})", unit="requests"):
             job = JOBS[name](ctx)
         report.jobs.append(job)
         for case in job.cases:
             mark = {"passed": "ok  ", "skipped": "skip", "failed": "FAIL", "error": "ERR "}
             echo(f"  {mark[case.status]} {name}.{case.name} ({case.seconds:.2f}s)"
                  + (f": {case.message}" if case.message else ""))
-    paths = report.write(cfg.workdir / "reports")
-    why = "" if report.checked else " (no check ran: every one was skipped)"
-    echo(f"validate {'PASSED' if report.passed else 'FAILED'}{why} against http {ep.http}, "
-         f"grpc {ep.grpc}; reports: {', '.join(str(p) for p in paths)}")
-    return report, paths
+    return report
+
+
+def serving_version(ep: Endpoint) -> str | None:
+    """The weights version the endpoint says it serves (``moepipe_model_info``; the cpu
+    target), None where its metrics do not say."""
+    from moepipe.deploy.metric_names import METRICS_LIMIT
+    from moepipe.deploy.metric_names import serving_version as from_metrics
+    from moepipe.utils.bounded import ReadError, fetch_url
+
+    if not ep.metrics:
+        return None
+    try:
+        body = fetch_url(f"http://{ep.metrics}/metrics", METRICS_LIMIT, 5.0, "metrics page")
+    except (ReadError, OSError):  # no metrics endpoint (yet): the build says which version it is
+        return None
+    return from_metrics(body.decode("utf-8", "replace"))

@@ -26,6 +26,7 @@ from moepipe.checkpoints.digest import ALGORITHM, file_digest
 from moepipe.checkpoints.dtypes import DType
 from moepipe.checkpoints.fp8_block import Fp8BlockReader
 from moepipe.checkpoints.hashcache import cached_digest, remember
+from moepipe.checkpoints.manifest import MANIFEST, rank_file
 from moepipe.checkpoints.reader import CheckpointReader
 from moepipe.checkpoints.writer import BufferPool, SafetensorsWriter
 from moepipe.conversion.plan import (
@@ -44,7 +45,6 @@ from moepipe.utils.progress import Task, task
 
 log = logging.getLogger("moepipe")
 
-MANIFEST = "moepipe-manifest.json"
 # Streaming block: small enough to stay in CPU cache between read, hash and write.
 BLOCK_BYTES = 1 << 20
 
@@ -108,20 +108,22 @@ def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: s
         world = mapping.world_size
         finished = itertools.count(1)  # next() is atomic: the rank threads share it
 
-        def rank_file(rank: int) -> str:
-            digest = _write_rank(plan, rank, alias, folder, meter, progress)
+        def write(rank: int) -> tuple[str, dict[str, str]]:
+            written = _write_rank(plan, rank, alias, folder, meter, progress)
             meter.say(f"{next(finished)} of {world} rank files written")
-            return digest
+            return written
 
         # the bytes of every rank file, counted block by block as they are written
         with task("convert", sum(plan.rank_bytes(r) for r in range(world)), "bytes",
                   f"0 of {world} rank files written") as meter, \
                 ThreadPoolExecutor(max_workers=min(workers, world)) as pool:
-            digests = list(pool.map(rank_file, range(world)))
+            written = list(pool.map(write, range(world)))
         files["config.json"] = file_digest(folder / "config.json")
-        for rank, digest in enumerate(digests):
-            files[f"rank{rank}.safetensors"] = digest
-            remember(folder / f"rank{rank}.safetensors", digest)  # the build needs no re-read
+        tensors: dict[str, dict[str, str]] = {}
+        for rank, (digest, per_tensor) in enumerate(written):
+            files[rank_file(rank)] = digest
+            tensors[rank_file(rank)] = per_tensor
+            remember(folder / rank_file(rank), digest)  # the build needs no re-read
         hasher.join()
         manifest = {
             "kind": "trtllm-checkpoint",
@@ -132,11 +134,13 @@ def convert_into(ckpt: HFCheckpoint, folder: Path, mapping: Mapping, *, dtype: s
             # digests under the name of their algorithm (older manifests: "sha256")
             "source": {"name": ckpt.path.resolve().name, ALGORITHM: source_hashes},
             "output": {ALGORITHM: files},
+            # each tensor's bytes: a live update reads only the tensors that changed
+            "tensors": {ALGORITHM: tensors},
             "versions": {"moepipe": __version__, "trtllm_format": TRTLLM_ENGINE_VERSION},
         }
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        written = sum(p.stat().st_size for p in folder.iterdir())
-    return ConvertResult(folder, plan, files, written, time.perf_counter() - start)
+        size = sum(p.stat().st_size for p in folder.iterdir())
+    return ConvertResult(folder, plan, files, size, time.perf_counter() - start)
 
 
 def _hash_sources(folder: Path, out: dict[str, str]) -> None:
@@ -151,9 +155,10 @@ def _hash_sources(folder: Path, out: dict[str, str]) -> None:
 
 
 def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path, meter: Task,
-                progress: Callable[[str], None] | None = None) -> str:
+                progress: Callable[[str], None] | None = None) -> tuple[str, dict[str, str]]:
+    """Write one rank file; returns its digest and its tensors' digests."""
     tensors = plan.ranks[rank]
-    writer = SafetensorsWriter(folder / f"rank{rank}.safetensors",
+    writer = SafetensorsWriter(folder / rank_file(rank),
                                [(t.name, t.dtype, t.shape) for t in tensors],
                                on_data=meter.advance)
     pool, scratch = BufferPool(16, BLOCK_BYTES), Scratch()
@@ -168,7 +173,7 @@ def _write_rank(plan: Plan, rank: int, reader: AliasReader, folder: Path, meter:
     log.info("rank %d: %d tensors written", rank, len(tensors))
     if progress is not None:
         progress(f"rank {rank}: {len(tensors)} tensors")
-    return digest
+    return digest, writer.tensor_digests
 
 
 class Scratch:

@@ -82,6 +82,8 @@ MOEPIPE_CPU = {"moepipe_expert_tokens_total", "moepipe_generated_tokens_total",
                *_histogram("moepipe_queue_time_seconds"), "moepipe_batch_occupancy_ratio",
                "moepipe_queued_requests", "moepipe_kv_slots_used", "moepipe_kv_slots",
                "moepipe_kv_tokens_used",
+               # moepipe.serving.live: the weights version serving
+               "moepipe_model_info",
                # the BLS model with deploy.fallback (tensorrt_llm_bls/1/overload.py)
                "moepipe_fallback_requests_total", "moepipe_circuit_state",
                # a rank group (world size > 1; moepipe.serving.rank_metrics)
@@ -202,3 +204,16 @@ def rank_series(text: str) -> dict[tuple[str, int, str], float]:
                 continue
         out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+_MODEL_INFO = re.compile(r"^moepipe_model_info\{([^}]*)\}[ \t]+(\S+)[ \t]*$", re.M)
+
+
+def serving_version(text: str) -> str | None:
+    """The weights version a cpu deployment serves: the ``version`` label of its
+    ``moepipe_model_info`` sample whose value is 1 (None when there is none)."""
+    for m in _MODEL_INFO.finditer(text):
+        labels, value = m.groups()
+        if value in ("1", "1.0"):
+            return dict(_LABEL.findall(labels)).get("version") or None
+    return None

@@ -30,6 +30,7 @@ class Kind(IntEnum):
     TIMING = 4  # worker -> leader, JSON: one step's timings (and expert counts)
     BEAT = 5  # worker -> leader, empty: still alive
     REFUSED = 6  # leader -> worker, JSON: why the leader will not take it (a duplicate rank)
+    STAGED = 7  # worker -> leader, JSON: a weights version loaded (or why not)
 
 
 class ChannelClosed(ConnectionError):

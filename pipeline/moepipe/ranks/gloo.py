@@ -70,12 +70,12 @@ def leave() -> None:
 
 
 class GlooComm:
-    """One rank's collectives. ``on_begin(batch, all_logits)`` runs at the start of each step
-    (the leader sends the step there); ``on_end(timing)`` gets the step's timings;
+    """One rank's collectives. ``on_begin(batch, all_logits, weights)`` runs at the start of
+    each step (the leader sends the step there); ``on_end(timing)`` gets the step's timings;
     ``on_lost(why)`` hears of a collective that failed (before it raises)."""
 
     def __init__(self, rank: int, mapping: Mapping,
-                 on_begin: Callable[[Batch, bool], None] | None = None,
+                 on_begin: Callable[[Batch, bool, int], None] | None = None,
                  on_end: Callable[[StepTiming], None] | None = None,
                  on_lost: Callable[[str], None] | None = None):
         self._rank, self.mapping = rank, mapping
@@ -105,12 +105,12 @@ class GlooComm:
             self.on_lost(why)
         return RankGroupLost(why)
 
-    def begin_step(self, batch: Batch, all_logits: bool) -> None:
+    def begin_step(self, batch: Batch, all_logits: bool, weights: int = 0) -> None:
         self.step += 1
         self.clock.start(self.step)
         if self.on_begin is not None:
             with self.clock.timed("control"):
-                self.on_begin(batch, all_logits)
+                self.on_begin(batch, all_logits, weights)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.mapping.tp == 1:

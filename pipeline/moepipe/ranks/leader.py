@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moepipe.errors import MoepipeError
 from moepipe.ranks import gloo
 from moepipe.ranks.channel import HEARTBEAT_TIMEOUT_S, Channel, ChannelClosed, Kind
 from moepipe.ranks.errors import RankGroupLost
@@ -77,6 +78,7 @@ class Leader:
             raise RankGroupLost(f"the checkpoint's world size is {ckpt.mapping.world_size}, "
                                 f"the group's {settings.world_size}")
         self.checkpoint_dir = str(Path(checkpoint_dir).resolve())
+        self.serving_weights = 0  # the id of the weights version served (moepipe.serving.live)
         self.mapping = ckpt.mapping
         self.timings = GroupTimings(settings.world_size)
         self.comm = gloo.GlooComm(0, ckpt.mapping, on_begin=self._announce,
@@ -95,6 +97,9 @@ class Leader:
         self.lost_at: float | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._staged: dict[int, dict] = {}  # rank -> its answer to the latest STAGE
+        self._staged_cv = threading.Condition()
+        self._staging = -1  # the weights id of the latest STAGE
         self._monitor: threading.Thread | None = None
 
     # -- health (the batcher's view) ----------------------------------------------------
@@ -170,7 +175,8 @@ class Leader:
             setup = {"generation": self.generation, "world_size": world,
                      "store_port": self.store.port, "threads": self.threads,
                      "collective_timeout_s": s.collective_timeout_s,
-                     "checkpoint": self.checkpoint_dir, **self.limits}
+                     "checkpoint": self.checkpoint_dir, "weights": self.serving_weights,
+                     **self.limits}
             for ch in accepted.values():
                 ch.send_json(Kind.SETUP, setup)
             gloo.bind_gloo_to(local)
@@ -223,16 +229,70 @@ class Leader:
         return rank, pid, ch
 
     # -- steps ------------------------------------------------------------------------------
-    def _announce(self, batch: Batch, all_logits: bool) -> None:
+    def _announce(self, batch: Batch, all_logits: bool, weights: int = 0) -> None:
         """Send the step to every worker (the start of every forward on rank 0)."""
+        self._send_all(Step(Op.FORWARD, self.comm.step, batch, all_logits, weights))
+
+    def _send_all(self, step: Step) -> None:
         self.check()
-        payload = Step(Op.FORWARD, self.comm.step, batch, all_logits).encode()
+        payload = step.encode()
         for rank, ch in list(self.workers.items()):
             try:
                 ch.send(Kind.STEP, payload)
             except ChannelClosed:
                 self.mark_lost(f"rank {rank} (pid {self.pids.get(rank)}) is unreachable")
                 self.check()
+
+    # -- weights versions (a live update: moepipe.serving.live) ------------------------------
+    def stage(self, weights: int, checkpoint: str, base: int, timeout_s: float) -> dict:
+        """Every worker loads weights version ``weights`` from ``checkpoint`` as an update of
+        its version ``base`` (its own rank's changed tensors), beside the versions it runs;
+        returns their figures summed. A worker that cannot is a MoepipeError (the version is
+        then discarded everywhere); steps go on meanwhile."""
+        with self._staged_cv:
+            self._staged.clear()
+            self._staging = weights
+            generation = self.generation
+        self._send_all(Step(Op.STAGE, weights=weights, detail=json.dumps(
+            {"checkpoint": checkpoint, "base": base})))
+        deadline = time.monotonic() + timeout_s
+        with self._staged_cv:
+            while len(self._staged) < self.settings.world_size - 1:
+                left = deadline - time.monotonic()
+                if self.generation != generation or self.lost is not None or left <= 0:
+                    break
+                self._staged_cv.wait(min(left, 0.2))
+            acks = dict(self._staged)
+        failed = [f"rank {r}: {a.get('error')}" for r, a in sorted(acks.items())
+                  if not a.get("ok")]
+        missing = sorted(set(range(1, self.settings.world_size)) - set(acks))
+        if failed or missing:
+            self.discard(weights)
+            why = "; ".join(failed) or (f"rank(s) {', '.join(map(str, missing))} did not load "
+                                        f"it within {timeout_s:g}s")
+            raise MoepipeError(f"the rank group did not stage the new weights ({why})",
+                               "the serving version keeps serving; see the worker logs")
+        return {k: sum(int(a.get(k, 0)) for a in acks.values())
+                for k in ("read_bytes", "extra_bytes", "changed_tensors")}
+
+    def discard(self, weights: int) -> None:
+        """Every worker drops weights version ``weights`` (no answer)."""
+        try:
+            self._send_all(Step(Op.DISCARD, weights=weights))
+        except RankGroupLost:  # the next group loads only the serving version anyway
+            pass
+
+    def serve(self, checkpoint: str, weights: int) -> None:
+        """The version the group serves from now on: what a worker of a later generation
+        loads (and under which id)."""
+        self.checkpoint_dir, self.serving_weights = str(Path(checkpoint).resolve()), weights
+
+    def _staged_ack(self, rank: int, payload: bytes) -> None:
+        answer = json.loads(payload)
+        with self._staged_cv:
+            if answer.get("weights") == self._staging:  # not a late answer to an earlier one
+                self._staged[rank] = answer
+                self._staged_cv.notify_all()
 
     def _watch(self, generation: int, workers: dict[int, Channel]) -> None:
         """Read every worker's timings and heartbeats; a closed or silent one is lost."""
@@ -253,6 +313,8 @@ class Leader:
                     seen[rank] = time.monotonic()
                     if kind == Kind.TIMING:
                         self._timing(payload)
+                    elif kind == Kind.STAGED:
+                        self._staged_ack(rank, payload)
                 now = time.monotonic()
                 for rank, t in seen.items():
                     if now - t > HEARTBEAT_TIMEOUT_S:

@@ -1,6 +1,8 @@
 """A step description, as the leader sends it to every worker before each step: what to run
-(``Op``) and, for a forward, the packed batch. Every rank runs the same collectives per step,
-so every rank must know the batch. Future commands (e.g. a weight update) are new ops."""
+(``Op``) and, for a forward, the packed batch and the weights version it runs on. Every rank
+runs the same collectives per step, so every rank must know the batch. A live weight update
+(:mod:`moepipe.serving.live`) stages a version on every rank (``STAGE``, its ``detail`` a JSON
+object: the checkpoint and the version it is an update of) and drops one (``DISCARD``)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ import torch
 
 from moepipe.runtime.batch import Batch
 
+HEAD = 6  # int64s before the batch or the detail
+
 
 class Op(IntEnum):
     FORWARD = 1
     STOP = 2  # the leader dissolves the group: the worker exits
+    STAGE = 3  # load weights version ``weights`` (its own rank's changed tensors)
+    DISCARD = 4  # drop weights version ``weights``
 
 
 @dataclass
@@ -24,12 +30,14 @@ class Step:
     number: int = 0
     batch: Batch | None = None
     all_logits: bool = False
+    weights: int = 0  # the weights version's id in its group (moepipe.serving.live)
+    detail: str = ""  # STAGE: JSON
 
     def encode(self) -> bytes:
         b = self.batch
-        head = [int(self.op), self.number, int(self.all_logits)]
+        head = [int(self.op), self.number, int(self.all_logits), self.weights]
         if b is None:
-            return np.asarray(head + [0, 0], dtype="<i8").tobytes()
+            return np.asarray(head + [0, 0], dtype="<i8").tobytes() + self.detail.encode()
         n_seqs, n_tokens = len(b.seq_lens), int(b.tokens.shape[0])
         parts = [np.asarray(head + [n_seqs, n_tokens], dtype="<i8"),
                  b.tokens.numpy().astype("<i8"),
@@ -38,11 +46,12 @@ class Step:
 
     @classmethod
     def decode(cls, payload: bytes) -> Step:
-        a = np.frombuffer(payload, dtype="<i8")
-        op, number, all_logits, n_seqs, n_tokens = (int(x) for x in a[:5])
+        op, number, all_logits, weights, n_seqs, n_tokens = (
+            int(x) for x in np.frombuffer(payload[:8 * HEAD], dtype="<i8"))
         if op != Op.FORWARD:
-            return cls(Op(op), number)
-        tokens = torch.from_numpy(a[5:5 + n_tokens].copy())
-        rest = a[5 + n_tokens:].tolist()
+            return cls(Op(op), number, weights=weights, detail=payload[8 * HEAD:].decode())
+        a = np.frombuffer(payload, dtype="<i8")
+        tokens = torch.from_numpy(a[HEAD:HEAD + n_tokens].copy())
+        rest = a[HEAD + n_tokens:].tolist()
         batch = Batch(tokens, rest[:n_seqs], rest[n_seqs:2 * n_seqs], rest[2 * n_seqs:])
-        return cls(Op.FORWARD, number, batch, bool(all_logits))
+        return cls(Op.FORWARD, number, batch, bool(all_logits), weights)

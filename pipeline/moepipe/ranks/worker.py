@@ -84,6 +84,12 @@ def serve(args: argparse.Namespace) -> int:
         raise RankGroupLost(f"the checkpoint's world size is {world}, the group's "
                             f"{setup['world_size']}")
     model, comm = _model(ckpt, args.rank)
+    if Path(setup["checkpoint"]).resolve() != Path(ckpt.path).resolve():
+        # the group serves a build a live update switched to since this rank's command line
+        # was written: read this rank's tensors that differ
+        from moepipe.runtime.update import load_update
+
+        model = load_update(model, setup["checkpoint"]).model
     loaded = time.monotonic() - started
     torch.set_num_threads(int(setup["threads"]))
     cache = KVCache(model, int(setup["max_batch_size"]), int(setup["max_seq_len"]))
@@ -112,6 +118,8 @@ def serve(args: argparse.Namespace) -> int:
         ch.send(Kind.TIMING, json.dumps(timing.to_json()).encode())
 
     comm.on_end = report
+    model.weights_id = int(setup.get("weights", 0))  # the version the group serves
+    versions = {model.weights_id: model}  # weights id -> this rank's model of that version
     while True:
         kind, payload = ch.recv()
         if kind != Kind.STEP:
@@ -120,10 +128,43 @@ def serve(args: argparse.Namespace) -> int:
         if step.op == Op.STOP:
             log.info("rank %d: stopped by the leader", args.rank)
             return 0
+        if step.op == Op.STAGE:  # loaded beside the steps, which go on
+            threading.Thread(target=_stage, args=(ch, versions, step), daemon=True,
+                             name="moepipe-stage").start()
+            continue
+        if step.op == Op.DISCARD:
+            versions.pop(step.weights, None)
+            continue
         if step.batch is None:
             continue
         comm.step = step.number - 1  # begin_step counts it
-        model.run(step.batch, cache, step.all_logits)
+        if step.weights not in versions:  # the leader ran a version this rank never staged
+            raise RankGroupLost(f"weights version {step.weights} is not loaded on rank "
+                                f"{args.rank}")
+        versions[step.weights].run(step.batch, cache, step.all_logits)
+
+
+def _stage(ch: Channel, versions: dict[int, ReferenceModel], step: Step) -> None:
+    """Load weights version ``step.weights`` (this rank's changed tensors) and say so."""
+    from moepipe.errors import MoepipeError
+    from moepipe.runtime.update import load_update
+
+    detail = json.loads(step.detail)
+    try:
+        update = load_update(versions[int(detail["base"])], detail["checkpoint"])
+    except (MoepipeError, KeyError, OSError) as e:
+        answer = {"weights": step.weights, "ok": False,
+                  "error": getattr(e, "message", None) or str(e)}
+    else:
+        update.model.weights_id = step.weights
+        versions[step.weights] = update.model
+        answer = {"weights": step.weights, "ok": True, "read_bytes": update.read_bytes,
+                  "extra_bytes": update.extra_bytes,
+                  "changed_tensors": update.diff.changed_tensors}
+    try:
+        ch.send(Kind.STAGED, json.dumps(answer).encode())
+    except ChannelClosed:
+        pass
 
 
 def _model(ckpt: TrtllmCheckpoint, rank: int) -> tuple[ReferenceModel, gloo.GlooComm]:

@@ -45,27 +45,7 @@ def load_checkpoint(path: str | Path, ranks: list[int] | None = None) -> TrtllmC
     """A checkpoint folder with the tensors of ``ranks`` (default: every rank). A rank
     process of a multi-process deployment loads only its own ``rank{r}.safetensors``."""
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such directory",
-                              "pass a TensorRT-LLM checkpoint folder made by `moepipe convert`")
-    cfg = read_json(path / "config.json", "a TensorRT-LLM checkpoint folder")
-    missing = [k for k in _REQUIRED if k not in cfg]
-    if missing:
-        raise CheckpointError(f"{path / 'config.json'}: missing {', '.join(missing)}",
-                              "not a TensorRT-LLM checkpoint config")
-    family = get_family_for_trtllm(cfg["architecture"])
-    if cfg.get("position_embedding_type", "rope_gpt_neox") != "rope_gpt_neox":
-        raise UnsupportedError(f"position_embedding_type {cfg['position_embedding_type']}")
-    scaling = cfg.get("rotary_scaling")
-    if scaling and scaling.get("type") != "yarn":
-        raise UnsupportedError("rotary_scaling is not implemented by the reference runtime "
-                               "(only yarn)")
-    for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
-                "output_multiplier_scale"):
-        if float(cfg.get(key, 1.0)) != 1.0:
-            raise UnsupportedError(f"{key} != 1 is not implemented by the reference runtime")
-    if cfg.get("use_parallel_embedding"):
-        raise UnsupportedError("use_parallel_embedding is not implemented by the reference runtime")
+    cfg = read_config(path)
     mapping = Mapping.from_trtllm(cfg["mapping"])
     wanted = list(range(mapping.world_size)) if ranks is None else ranks
     bad = [r for r in wanted if not 0 <= r < mapping.world_size]
@@ -81,6 +61,40 @@ def load_checkpoint(path: str | Path, ranks: list[int] | None = None) -> TrtllmC
                                   f"(world size {mapping.world_size})",
                                   "the checkpoint is incomplete; convert it again")
         tensors[rank] = load_file(file)
+    return with_tensors(path, cfg, tensors)
+
+
+def with_tensors(path: Path, cfg: dict[str, Any],
+                 ranks: dict[int, dict[str, torch.Tensor]]) -> TrtllmCheckpoint:
+    """The checkpoint ``path`` with its config (:func:`read_config`) and these rank tensors."""
+    family = get_family_for_trtllm(cfg["architecture"])
     return TrtllmCheckpoint(path=path, config=cfg, family=family,
-                            facts=family.runtime_facts(cfg), mapping=mapping,
-                            routing=RoutingSpec.from_checkpoint_config(cfg), ranks=tensors)
+                            facts=family.runtime_facts(cfg),
+                            mapping=Mapping.from_trtllm(cfg["mapping"]),
+                            routing=RoutingSpec.from_checkpoint_config(cfg), ranks=ranks)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A checkpoint folder's ``config.json``, checked for what the reference runtime runs."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such directory",
+                              "pass a TensorRT-LLM checkpoint folder made by `moepipe convert`")
+    cfg = read_json(path / "config.json", "a TensorRT-LLM checkpoint folder")
+    missing = [k for k in _REQUIRED if k not in cfg]
+    if missing:
+        raise CheckpointError(f"{path / 'config.json'}: missing {', '.join(missing)}",
+                              "not a TensorRT-LLM checkpoint config")
+    get_family_for_trtllm(cfg["architecture"])
+    if cfg.get("position_embedding_type", "rope_gpt_neox") != "rope_gpt_neox":
+        raise UnsupportedError(f"position_embedding_type {cfg['position_embedding_type']}")
+    scaling = cfg.get("rotary_scaling")
+    if scaling and scaling.get("type") != "yarn":
+        raise UnsupportedError("rotary_scaling is not implemented by the reference runtime "
+                               "(only yarn)")
+    for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                "output_multiplier_scale"):
+        if float(cfg.get(key, 1.0)) != 1.0:
+            raise UnsupportedError(f"{key} != 1 is not implemented by the reference runtime")
+    if cfg.get("use_parallel_embedding"):
+        raise UnsupportedError("use_parallel_embedding is not implemented by the reference runtime")
+    return cfg

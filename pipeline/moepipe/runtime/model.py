@@ -97,10 +97,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class ReferenceModel:
     """Forward passes over a loaded :class:`TrtllmCheckpoint`: of every rank, or with ``comm``
-    of the rank ``comm.rank`` alone (``ckpt`` needs only that rank's tensors)."""
+    of the rank ``comm.rank`` alone (``ckpt`` needs only that rank's tensors).
+
+    ``previous``: the version of the same model this one replaces (a live weight update):
+    every float32 tensor made from the same checkpoint tensor objects is shared with it, and
+    so are the expert counters."""
 
     def __init__(self, ckpt: TrtllmCheckpoint, router: RouteFn = route_op,
-                 comm: Collectives | None = None):
+                 comm: Collectives | None = None, previous: ReferenceModel | None = None):
         self.ckpt = ckpt
         self.route = router
         self.comm = comm
@@ -131,7 +135,7 @@ class ReferenceModel:
                         for t in cfg.get("layer_types") or ()]
         if rot_dim != (self.mla.qk_rope_head_dim if self.mla else self.head_size):
             raise CheckpointError("partial rotary embeddings are not implemented")
-        load = WeightLoader(ckpt, self)
+        load = WeightLoader(ckpt, self, previous.loader if previous is not None else None)
         # every stage and tp rank, or the one rank of this process
         stages = range(m.pp) if comm is None else [m.pp_rank(comm.rank)]
         tp_ranks = range(m.tp) if comm is None else [m.tp_rank(comm.rank)]
@@ -149,7 +153,14 @@ class ReferenceModel:
             if self.last_stage else None
         self.lm_head = [load.get(last + t, "lm_head.weight") for t in tp_ranks] \
             if self.last_stage else []
-        self.expert_tokens = torch.zeros(ckpt.num_layers, self.num_experts, dtype=torch.long)
+        load.finish()
+        self.loader: WeightLoader = load  # what the next version reuses
+        # which weights version this is within its rank group (0: the one loaded first): the
+        # other ranks run each step on their part of the same version
+        self.weights_id = 0
+        self.expert_tokens: torch.Tensor = (
+            previous.expert_tokens if previous is not None
+            else torch.zeros(ckpt.num_layers, self.num_experts, dtype=torch.long))
 
     # -- forward -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -171,7 +182,7 @@ class ReferenceModel:
         leader."""
         comm = self.comm
         if comm is not None:
-            comm.begin_step(batch, all_logits)
+            comm.begin_step(batch, all_logits, self.weights_id)
         positions = torch.cat([torch.arange(p, p + n) for p, n in
                                zip(batch.past_lens, batch.seq_lens, strict=True)])
         freqs = positions[:, None].float() * self.inv_freq[None, :]

@@ -26,8 +26,10 @@ class Collectives(Protocol):
     @property
     def rank(self) -> int: ...
 
-    def begin_step(self, batch: Batch, all_logits: bool) -> None:
-        """Before the forward: the leader sends the step to the others; no-op elsewhere."""
+    def begin_step(self, batch: Batch, all_logits: bool, weights: int = 0) -> None:
+        """Before the forward: the leader sends the step to the others (``weights``: the id
+        of the weights version it runs on, see :mod:`moepipe.serving.live`); no-op
+        elsewhere."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over this rank's tensor-parallel group."""

@@ -4,9 +4,10 @@ quantized linears dequantized, with their activation quantizers)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -63,6 +64,11 @@ class Layer:
     dense_bias: torch.Tensor | None = None  # [H] attention output bias, after the all-reduce
 
 
+def _flat(proj: torch.Tensor) -> torch.Tensor:
+    """``proj`` [E, H, I] as the rows the sparse expert loop reads: [E * I, H]."""
+    return proj.transpose(1, 2).reshape(-1, proj.shape[1]).contiguous()
+
+
 class Dims(Protocol):
     """The model sizes the loader needs (read from config.json by the model)."""
 
@@ -88,11 +94,35 @@ class Dims(Protocol):
 
 class WeightLoader:
     """Reads a checkpoint's tensors into :class:`Layer` objects (float32), with clear errors
-    for missing ones."""
+    for missing ones.
 
-    def __init__(self, ckpt: TrtllmCheckpoint, dims: Dims):
+    Everything it makes from the checkpoint's tensors (a float32 copy, a dequantized weight,
+    a transposed one) is remembered with the tensors it was made from. A loader given the
+    ``previous`` version's loader (a live weight update) reuses what that one made wherever
+    the sources are the very same tensor objects, so the new version holds new memory only
+    for what changed."""
+
+    def __init__(self, ckpt: TrtllmCheckpoint, dims: Dims, previous: WeightLoader | None = None):
         self.ckpt = ckpt
         self.dims = dims
+        self.made: dict[tuple, tuple[tuple[torch.Tensor, ...], Any]] = {}
+        self._previous = previous.made if previous is not None else {}
+        self._groups: dict[int, dict[str, tuple[torch.Tensor, ...]]] = {}
+
+    def derived(self, key: tuple, sources: tuple[torch.Tensor, ...], make: Callable[[], Any]):
+        """``make()``, or what the previous version made from the same ``sources``."""
+        prev = self._previous.get(key)
+        if prev is not None and len(prev[0]) == len(sources) \
+                and all(a is b for a, b in zip(prev[0], sources, strict=True)):
+            result = prev[1]
+        else:
+            result = make()
+        self.made[key] = (sources, result)
+        return result
+
+    def finish(self) -> None:
+        """Forget the previous version (it may be released while this one serves)."""
+        self._previous, self._groups = {}, {}
 
     def get(self, rank: int, name: str) -> torch.Tensor:
         """A tensor the checkpoint must have (float32); a clear error when it is missing."""
@@ -100,12 +130,12 @@ class WeightLoader:
         if name not in tensors:
             raise CheckpointError(f"{self.ckpt.path}: rank{rank}.safetensors lacks '{name}'",
                                   "the checkpoint does not match its config.json")
-        return tensors[name].float()
+        t = tensors[name]
+        return self.derived(("get", rank, name), (t,), t.float)
 
     def opt(self, rank: int, name: str) -> torch.Tensor | None:
         """A tensor the checkpoint may have (float32), else None."""
-        tensor = self.ckpt.ranks[rank].get(name)
-        return None if tensor is None else tensor.float()
+        return self.get(rank, name) if name in self.ckpt.ranks[rank] else None
 
     def linear(self, rank: int, name: str, needed: bool = True):
         """(float weight, activation quantizer) of a linear layer, dequantized if needed."""
@@ -114,7 +144,17 @@ class WeightLoader:
             if not needed:
                 return None, None
             self.get(rank, f"{name}.weight")  # raises the clear error
-        return dequant.linear(tensors, name, self.dims.quant_algo)
+        return self.derived(("linear", rank, name), self._group(rank, name),
+                            partial(dequant.linear, tensors, name, self.dims.quant_algo))
+
+    def _group(self, rank: int, prefix: str) -> tuple[torch.Tensor, ...]:
+        """The rank's tensors named ``prefix.<something>`` (a linear's weight and scales)."""
+        if rank not in self._groups:
+            groups: dict[str, list[torch.Tensor]] = {}
+            for n in sorted(self.ckpt.ranks[rank]):
+                groups.setdefault(n.rsplit(".", 1)[0], []).append(self.ckpt.ranks[rank][n])
+            self._groups[rank] = {k: tuple(v) for k, v in groups.items()}
+        return self._groups[rank].get(prefix, ())
 
     def layer(self, index: int, p: str, ranks: list[int]) -> Layer:
         """Layer ``index`` (checkpoint prefix ``p``) on the tp ranks ``ranks`` of its stage."""
@@ -137,8 +177,10 @@ class WeightLoader:
                 # shared expert [up | gate] beside no routed experts
                 hidden = self.dims.hidden
                 fc, proj = torch.zeros(0, 0, hidden), torch.zeros(0, hidden, 0)
-                shared_fc = torch.cat([self.get(rank, p + "mlp.gate.weight"),
-                                       self.get(rank, p + "mlp.fc.weight")])
+                gate = self.get(rank, p + "mlp.gate.weight")
+                up = self.get(rank, p + "mlp.fc.weight")
+                shared_fc = self.derived(("dense_fc", rank, p), (gate, up),
+                                         partial(torch.cat, [gate, up]))
                 shared_proj = self.get(rank, p + "mlp.proj.weight")
                 fc_aq = proj_aq = shared_fc_aq = shared_proj_aq = None
             per_rank.append(RankLayer(
@@ -151,7 +193,7 @@ class WeightLoader:
                 else None,
                 experts=m.ep_experts(self.dims.num_experts, rank) if moe else range(0),
                 fc=fc, proj=proj, fc_flat=fc.reshape(-1, fc.shape[-1]),
-                proj_flat=proj.transpose(1, 2).reshape(-1, proj.shape[1]).contiguous(),
+                proj_flat=self.derived(("proj_flat", rank, p), (proj,), partial(_flat, proj)),
                 shared_fc=shared_fc if shared or not moe else None,
                 shared_proj=shared_proj if shared or not moe else None,
                 heads=heads, kv_heads=kv_heads,

@@ -4,6 +4,10 @@ Requests join and leave the running batch between steps: each step prefills the 
 requests (ragged, in one packed forward) and advances every running request by one token
 (one batched decode). Each request owns a KV-cache slot for its lifetime.
 
+Each request runs on one weights version (:mod:`moepipe.serving.versions`) from its admission
+to its end; while requests on two versions run (after a live update's switch, or while one is
+validated), a step runs one forward per version.
+
 With a rank group (world size > 1) the model is rank 0's and ``health`` its group
 (:class:`moepipe.ranks.leader.Leader`): while the group cannot run steps, new requests are
 refused and every request in flight ends with :class:`RankGroupLost`'s message (Triton's
@@ -28,6 +32,7 @@ from moepipe.runtime.sampling import sample
 from moepipe.serving.core.admission import Admission
 from moepipe.serving.core.errors import Busy
 from moepipe.serving.request import GenerationRequest, RequestError
+from moepipe.serving.versions import WeightVersions
 
 log = logging.getLogger("moepipe")
 # Cancellation may be a call into the server: asked every few steps, not every step.
@@ -50,8 +55,9 @@ class Batcher:
                  on_step: Callable[[ReferenceModel, bool], None] | None = None,
                  max_queue_size: int = 0, queue_timeout_s: float = 0.0,
                  admission: Admission | None = None,
-                 health: GroupHealth | None = None):
-        self.model = model
+                 health: GroupHealth | None = None, version: str = ""):
+        self.model = model  # the serving version's (updated between steps)
+        self.versions = WeightVersions(model, version)
         self.health = health
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -85,11 +91,18 @@ class Batcher:
         :class:`Busy` (the queue is full) are raised here, in the caller's thread."""
         for req in reqs:
             req.validate(self.model.vocab_size, self.max_input_len, self.max_seq_len)
+            pinned = self.versions.pin(req.weights_version)
+            if pinned is not None:
+                req.version, req.weights = pinned
         if self.health is not None:
             self.health.check()  # RankGroupLost: refused (UNAVAILABLE) while it is down
         self.admission.enter(reqs)
         for req in reqs:
             self._incoming.put(req)
+
+    def wake(self) -> None:
+        """Run a step soon even when idle (a switch of versions waits for one)."""
+        self._incoming.put(None)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="moepipe-engine", daemon=True)
@@ -171,6 +184,7 @@ class Batcher:
 
     def step(self) -> None:
         """Admit what fits, prefill it, then decode one token for every running request."""
+        self.model = self.versions.at_step({r.version for r in self._running})
         self._finish_stopped()
         if self.steps % CANCEL_CHECK_STEPS == 0:
             self._drop_cancelled()
@@ -181,32 +195,48 @@ class Batcher:
             req = self._waiting.pop(0)
             req.slot = self._free.pop(0)
             req.scheduled_ns = time.monotonic_ns()
+            if req.weights is None:  # runs on the version serving now, to its end
+                req.version, req.weights = self.versions.serving, self.model
             self._generators[req.slot] = torch.Generator().manual_seed(req.sampling.seed)
             admitted.append(req)
         decoding = list(self._running)
         batch = admitted + decoding  # prompts (prefill) and last tokens (decode), one forward
         if batch:
-            tokens = [t for r in admitted for t in r.prompt] + [r.generated[-1] for r in decoding]
             self.stats["sequences"] += len(batch)
             self.stats["prefills"] += len(admitted)
             started = time.perf_counter()
-            context = any(r.return_context_logits for r in admitted)
-            logits = self.model.forward(
-                Batch(torch.tensor(tokens),
-                      [len(r.prompt) for r in admitted] + [1] * len(decoding),
-                      [0] * len(admitted) + [len(r.prompt) + len(r.generated) - 1
-                                             for r in decoding],
-                      [r.slot for r in batch]), self.cache, all_logits=context)
-            if context:
-                logits = self._keep_context_logits(admitted, len(decoding), logits)
+            order: list[GenerationRequest] = []
+            parts = []
+            for model in {id(r.weights): r.weights for r in batch}.values():  # one per version
+                new = [r for r in admitted if r.weights is model]
+                old = [r for r in decoding if r.weights is model]
+                parts.append(self._forward(model, new, old))
+                order += new + old
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
             self.stats["forward_s"] += time.perf_counter() - started
-            self._advance(batch, logits)
+            self._advance(order, logits)
             self._running.extend(r for r in admitted if r.slot >= 0)
         self._running = [r for r in self._running if r.slot >= 0]
         self.last_step = (len(batch), len(admitted))
         self.steps += 1
         if self.on_step is not None:  # told whether the engine is now idle
             self.on_step(self.model, not self._running and not self._waiting)
+
+    def _forward(self, model: ReferenceModel, admitted: list[GenerationRequest],
+                 decoding: list[GenerationRequest]) -> torch.Tensor:
+        """The next-token logits of ``admitted`` (prefill) then ``decoding`` (one token
+        each), on ``model``'s weights."""
+        tokens = [t for r in admitted for t in r.prompt] + [r.generated[-1] for r in decoding]
+        context = any(r.return_context_logits for r in admitted)
+        logits = model.forward(
+            Batch(torch.tensor(tokens),
+                  [len(r.prompt) for r in admitted] + [1] * len(decoding),
+                  [0] * len(admitted) + [len(r.prompt) + len(r.generated) - 1
+                                         for r in decoding],
+                  [r.slot for r in admitted + decoding]), self.cache, all_logits=context)
+        if context:
+            logits = self._keep_context_logits(admitted, len(decoding), logits)
+        return logits
 
     def _advance(self, reqs: list[GenerationRequest], logits: torch.Tensor) -> None:
         greedy = logits.argmax(dim=-1).tolist()  # the common case, for the whole batch at once

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,7 +41,11 @@ class GenerationRequest:
     # Set by a `stop` request (another thread): the engine ends the request at its next step
     # with a final response carrying what was generated, as TensorRT-LLM's cancelRequest does.
     stop_requested: bool = False
+    # The weights version the client asked for (None: the one serving when it is admitted)
+    weights_version: str | None = None
     # engine state
+    version: str = ""  # the weights version it runs on, from its admission to its end
+    weights: Any = None  # that version's model
     generated: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     slot: int = -1

@@ -62,6 +62,9 @@ class Target:
     # iteration window (deploy.trtllm.expert_statistic), exported once written, constant after,
     # with a ``window="START-STOP"`` label; None - no expert counts.
     expert_counts: Literal["live", "window"] | None = None
+    # Its local deployment takes new weights of the same model while it serves (a live
+    # update, moepipe.serving.live; world size 1); else a changed build restarts it.
+    live_update: bool = False
     # The least time its pods get to load the model (GPU targets load for minutes).
     min_startup_s: int = 0
 

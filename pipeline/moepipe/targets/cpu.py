@@ -17,4 +17,5 @@ TARGET = Target(
     python_model=True,
     metrics=("triton", "triton-summaries", "moepipe-cpu"),
     expert_counts="live",
+    live_update=True,
 )

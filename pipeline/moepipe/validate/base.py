@@ -22,6 +22,9 @@ class Endpoint:
     grpc: str
     timeout: float = 120.0
     metrics: str | None = None  # host:port of the Prometheus metrics endpoint
+    # Triton request parameters every inference request of smoke and accuracy carries (a
+    # live update validates a staged weights version with {"moepipe_version": ...})
+    parameters: dict | None = None
 
     def get(self, path: str) -> dict:
         return client.http_json(self.http, path, timeout=self.timeout)

@@ -56,14 +56,24 @@ def http_json(url: str, path: str, payload: dict | None = None, timeout: float =
     return out
 
 
-def generate(url: str, model: str, payload: dict, timeout: float = 60) -> dict:
-    return http_json(url, f"/v2/models/{model}/generate", payload, timeout)
+def _with(payload: dict, parameters: dict | None) -> dict:
+    """``payload`` with Triton request ``parameters`` (the generate extension's own key)."""
+    if not parameters:
+        return payload
+    return {**payload, "parameters": {**payload.get("parameters", {}), **parameters}}
 
 
-def generate_stream(url: str, model: str, payload: dict, timeout: float = 60) -> list[dict]:
+def generate(url: str, model: str, payload: dict, timeout: float = 60,
+             parameters: dict | None = None) -> dict:
+    """One ``/generate`` request; ``parameters``: Triton request parameters."""
+    return http_json(url, f"/v2/models/{model}/generate", _with(payload, parameters), timeout)
+
+
+def generate_stream(url: str, model: str, payload: dict, timeout: float = 60,
+                    parameters: dict | None = None) -> list[dict]:
     """All SSE events of one ``/generate_stream`` request (errors in any chunk raise)."""
     req = urllib.request.Request(_http_base(url) + f"/v2/models/{model}/generate_stream",
-                                 data=json.dumps(payload).encode(),
+                                 data=json.dumps(_with(payload, parameters)).encode(),
                                  headers={"Content-Type": "application/json"})
     events: list[dict] = []
     parser = SSEParser()
@@ -123,9 +133,10 @@ class GrpcStream:
     def _callback(self, result=None, error=None):
         self._results.put((result, error))
 
-    def infer(self, model: str, inputs: dict[str, np.ndarray],
-              outputs: list[str]) -> GrpcResult:
-        """Send one request; collect every response until its final one."""
+    def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
+              parameters: dict | None = None) -> GrpcResult:
+        """Send one request (``parameters``: Triton request parameters); collect every
+        response until its final one."""
         g = self._grpc
         tensors = []
         for name, arr in inputs.items():
@@ -134,7 +145,8 @@ class GrpcStream:
             tensors.append(t)
         self._client.async_stream_infer(model, tensors,
                                         outputs=[g.InferRequestedOutput(o) for o in outputs],
-                                        enable_empty_final_response=True)
+                                        enable_empty_final_response=True,
+                                        parameters=parameters)
         out = GrpcResult()
         while True:
             try:
@@ -164,10 +176,10 @@ class GrpcStream:
 
 
 def grpc_infer(url: str, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
-               timeout: float = 60) -> GrpcResult:
+               timeout: float = 60, parameters: dict | None = None) -> GrpcResult:
     """One request over a fresh gRPC stream; collects every response until the final one."""
     with GrpcStream(url, timeout) as stream:
-        return stream.infer(model, inputs, outputs)
+        return stream.infer(model, inputs, outputs, parameters)
 
 
 def text_inputs(prompt: str, max_tokens: int, **extra) -> dict[str, np.ndarray]:

@@ -92,6 +92,8 @@ class Report:
     endpoint: dict
     jobs: list[JobResult] = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    version: str | None = None  # the weights version validated (the build fingerprint)
+    reachable: bool = True  # False: the endpoint did not answer its pre-flight
 
     @property
     def passed(self) -> bool:
@@ -105,7 +107,7 @@ class Report:
 
     def to_dict(self) -> dict:
         return {"passed": self.passed, "target": self.target, "endpoint": self.endpoint,
-                "started": self.started,
+                "version": self.version, "started": self.started,
                 "jobs": [{"job": j.job, "passed": j.passed,
                           "cases": [asdict(c) for c in j.cases], "data": j.data}
                          for j in self.jobs]}

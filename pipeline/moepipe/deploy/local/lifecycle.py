@@ -40,7 +40,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from moepipe.deploy.local import drain, processes, ranks, shm
+from moepipe.deploy.local import drain, live, processes, ranks, shm
 from moepipe.deploy.local.binary import (
     LOG_FILE,
     check_port,
@@ -119,13 +119,20 @@ def status(state_dir: Path) -> dict:
     lost = ranks.dead_ranks(state.ranks) if server_alive else []
     info = state.to_status(server_alive and not dead and not lost)
     info.update(server_alive=server_alive, dead_models=dead, dead_ranks=lost, recorded=recorded,
-                supervised=bool(state.supervisor_pid and processes.alive(state.supervisor_pid)))
+                supervised=bool(state.supervisor_pid and processes.alive(state.supervisor_pid)),
+                version=_version(state_dir) if server_alive else None)
     if not recorded:
         info["note"] = f"{STATE_FILE} is missing; found the server by its deployment tag"
     failed = _failure(state_dir)
     if failed and not info["running"]:
         info["failure"] = failed
     return info
+
+
+def _version(state_dir: Path) -> str | None:
+    """The weights version serving: as the model says (cpu target), else as recorded."""
+    return live.serving_version(state_dir) or \
+        (live.read_versions(state_dir).get("serving") or {}).get("version")
 
 
 def _failure(state_dir: Path) -> str | None:

@@ -12,6 +12,18 @@ from moepipe.errors import MoepipeError
 
 STATE_FILE = "server.json"
 SERVE_DIR = ".serve"  # `moepipe serve`'s state, beside the repository it serves
+CONTROL_SOCKET = "tensorrt_llm.sock"  # the cpu target's live-update channel
+
+
+def state_dir(workdir: Path) -> Path:
+    """Where a workdir's local deployment is recorded. Not "triton": a folder of that name in
+    the working directory would shadow OpenAI Triton for `python -m moepipe` run there."""
+    return workdir / "server"
+
+
+def control_socket(workdir: Path) -> Path:
+    """The Unix socket the cpu target's model listens on for live updates."""
+    return state_dir(workdir) / CONTROL_SOCKET
 
 
 class ServerError(MoepipeError):

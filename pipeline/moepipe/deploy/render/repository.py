@@ -89,23 +89,31 @@ def ship_modules(modules: dict[str, str], out: Path) -> None:
         shutil.copyfile(source, out / rel)
 
 
+def deployment_values(cfg: MoepipeConfig, art: Artifacts) -> dict[str, str]:
+    """Every template value of ``cfg.target``'s deployment of ``art`` (what the deployment's
+    manifest records; a live update compares them with the running deployment's)."""
+    # Paths inside the files point at the final location, not the temporary one, and
+    # where it is served: relative, or under deploy.serve_root (moepipe.deploy.serve_paths)
+    paths = ServePaths.of(cfg)
+    tokenizer = paths.from_model(cfg.deploy_dir / "tokenizer", "the tokenizer")
+    values = common_values(cfg, tokenizer, art.vocab_size)
+    values.update(values_of(cfg.target)(cfg, art, paths))
+    return values
+
+
 def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True,
                       fallback: tuple[MoepipeConfig, Artifacts] | None = None) -> Path:
     """Write ``cfg.deploy_dir`` for ``cfg.target``; returns the model repository path.
     ``fallback``: the ``deploy.fallback`` pipeline's config and build (see
     :mod:`moepipe.deploy.render.fallback`)."""
     target = cfg.target
-    target_values = values_of(target)
+    values = deployment_values(cfg, art)
+    paths = ServePaths.of(cfg)
+    tokenizer = values["tokenizer_dir"]
     out = cfg.deploy_dir
     out.parent.mkdir(parents=True, exist_ok=True)
     root = templates_root()
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        # Paths inside the files point at the final location, not the temporary one, and
-        # where it is served: relative, or under deploy.serve_root (moepipe.deploy.serve_paths)
-        paths = ServePaths.of(cfg)
-        tokenizer = paths.from_model(out / "tokenizer", "the tokenizer")
-        values = common_values(cfg, tokenizer, art.vocab_size)
-        values.update(target_values(cfg, art, paths))
         copy_tokenizer(art.model_dir, tmp / "tokenizer")
         render_tree([root / "common", root / "targets" / target], values, tmp)
         ship_modules(SHIPPED.get(target, {}), tmp)
@@ -126,5 +134,6 @@ def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True
         loadtest.write(tmp / "locust", cfg)  # a load test in the users' own tool
         (tmp / MANIFEST).write_text(json.dumps(
             {"target": target, "moepipe": __version__, "values": values,
-             "models": sorted(configs)}, indent=2, sort_keys=True) + "\n")
+             "version": art.version, "models": sorted(configs)}, indent=2,
+            sort_keys=True) + "\n")
     return out / "model_repo"

@@ -10,7 +10,7 @@ request runs, its responses and failures are sent on the outbox thread only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -19,7 +19,7 @@ from . import checks, contract
 from .errors import ERR_STOP_WITHOUT_ID, RequestError, is_busy
 from .outbox import Outbox
 from .responses import FINAL, Group, Live
-from .triton import error_response, inputs_of
+from .triton import error_response, inputs_of, request_parameters
 
 
 @dataclass
@@ -29,6 +29,8 @@ class Job:
     row: contract.Row
     sequence: int
     batch_size: int
+    # the request's Triton parameters (e.g. the weights version it names, on the cpu target)
+    parameters: dict = field(default_factory=dict)
 
 
 class Engine(Protocol):
@@ -80,7 +82,8 @@ class Frontend:
         rows = contract.parse(inputs, decoupled=self.decoupled,
                               exclude_default=self.exclude_default, features=self.features)
         checks.check_rows(rows, self.limits)
-        jobs = [Job(row, seq, len(rows)) for row in rows
+        params = request_parameters(request)
+        jobs = [Job(row, seq, len(rows), params) for row in rows
                 for seq in range(row.num_return_sequences)]
         tracked = self.outbox.track(sender)
         handles: list = []

@@ -24,6 +24,18 @@ def parameters(model_config: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
 
 
+def request_parameters(request) -> dict:
+    """A request's Triton parameters (``request.parameters()`` is a JSON object; {} when the
+    request has none or the backend cannot say)."""
+    import json
+
+    try:
+        value = json.loads(request.parameters() or "{}")
+    except (AttributeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def model_path(args: dict, value: str) -> str:
     """A path a model parameter names, as this server finds it: the renderer writes paths
     relative to the model's folder (``args["model_repository"]``, ``<repository>/<model>``), so

@@ -105,7 +105,7 @@ def _server_tokens(ep, cfg, ids, eos) -> list[int]:
     if eos is not None:
         inputs["end_id"] = np.array([[eos]], np.int32)
     res = client.grpc_infer(ep.grpc, "tensorrt_llm", inputs, ["output_ids", "sequence_length"],
-                            ep.timeout)
+                            ep.timeout, ep.parameters)
     out = res.outputs[-1]
     return out["output_ids"].reshape(-1)[: int(out["sequence_length"].reshape(-1)[0])].tolist()
 
@@ -116,6 +116,6 @@ def _text(ep, cfg, tok, hf, eos, prompt) -> dict:
     got = client.generate(ep.http, "ensemble",
                           {"text_input": prompt, "max_tokens": cfg.validation.max_tokens,
                            "exclude_input_in_output": True},  # the generated text only
-                          ep.timeout)["text_output"]
+                          ep.timeout, ep.parameters)["text_output"]
     check(got == expected, f"ensemble text {got!r} != transformers {expected!r}")
     return {"text": got}

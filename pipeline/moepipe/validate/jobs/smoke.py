@@ -41,13 +41,13 @@ def smoke(ctx: JobContext) -> JobResult:
 
     def http_generate():
         out = client.generate(ep.http, "ensemble", {"text_input": prompt, "max_tokens": 4},
-                              ep.timeout)
+                              ep.timeout, ep.parameters)
         check(isinstance(out.get("text_output"), str) and out["text_output"], str(out))
         return {"text_output": out["text_output"]}
 
     def grpc_request():
         res = client.grpc_infer(ep.grpc, "ensemble", client.text_inputs(prompt, 4),
-                                ["text_output"], ep.timeout)
+                                ["text_output"], ep.timeout, ep.parameters)
         check(len(res.outputs) == 1, f"{len(res.outputs)} responses for stream=false")
         text = res.outputs[0]["text_output"].reshape(-1)[0].decode()
         check(text, "empty text_output")
@@ -57,7 +57,7 @@ def smoke(ctx: JobContext) -> JobResult:
         if not ep.decoupled():
             raise Skip("the deployment is not decoupled (deploy.decoupled: false)")
         res = client.grpc_infer(ep.grpc, "ensemble", client.text_inputs(prompt, 4, stream=True),
-                                ["text_output"], ep.timeout)
+                                ["text_output"], ep.timeout, ep.parameters)
         check(len(res.outputs) >= 2, f"expected one response per token, got {len(res.outputs)}")
         return {"responses": len(res.outputs)}
 
@@ -66,7 +66,7 @@ def smoke(ctx: JobContext) -> JobResult:
             raise Skip("the deployment is not decoupled (deploy.decoupled: false)")
         events = client.generate_stream(ep.http, "ensemble",
                                         {"text_input": prompt, "max_tokens": 4, "stream": True},
-                                        ep.timeout)
+                                        ep.timeout, ep.parameters)
         check(len(events) >= 2, f"expected one event per token, got {len(events)}")
         return {"events": len(events)}
 

@@ -21,6 +21,9 @@ class Artifacts:
     engine_dir: Path | None = None  # trtllm-engine
     hf_serving_dir: Path | None = None  # trtllm-pytorch (HF or unified quantized checkpoint)
     vocab_size: int = 0
+    # The build fingerprint of what is served (commands/build.py: served_version): the
+    # deployment's version in its status, metrics and reports, and the live-update identity.
+    version: str = ""
 
 
 # TensorRT-LLM logits_dtype -> Triton data type of context_logits / generation_logits.

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moepipe.deploy.render.targets.base import Artifacts, flag
+from moepipe.deploy.local.state import control_socket
+from moepipe.deploy.render.targets.base import Artifacts, flag, quotable
 from moepipe.deploy.serve_paths import ServePaths
 from moepipe.errors import MoepipeError
 
@@ -29,6 +30,9 @@ def values(cfg: MoepipeConfig, art: Artifacts, paths: ServePaths) -> dict[str, s
         "rank_listen": rank_address(cfg.deploy.host, cfg.deploy.rank_port),
         "collective_timeout_s": f"{cfg.deploy.collective_timeout_s:g}",
         "rank_form_timeout_s": f"{cfg.deploy.ready_timeout_s:g}",
+        "weights_version": quotable(art.version, "the build fingerprint"),
+        # where `moepipe deploy` asks the running model to load new weights (owner only)
+        "control_socket": paths.from_model(control_socket(cfg.workdir), "the control socket"),
     }
 
 

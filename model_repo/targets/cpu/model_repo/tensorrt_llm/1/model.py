@@ -8,7 +8,10 @@ texts and codes, busy refusals. This file runs each generation on moepipe's in-f
 responses are built and sent on the core's outbox thread. Metrics: expert routing
 (``moepipe_expert_tokens_total{model,layer,expert}``), generated and prompt tokens, latency /
 TTFT / queue histograms and occupancy gauges (``moepipe.serving.metrics``), TensorRT-LLM's own
-families (``moepipe.serving.trtllm_metrics``).
+families (``moepipe.serving.trtllm_metrics``), the serving weights version
+(``moepipe_model_info``). New weights of the same model are staged, validated and switched to
+while serving, over the control socket (``moepipe.serving.live``); a request may name a staged
+version (Triton request parameter ``moepipe_version``).
 
 World size > 1: this model is rank 0 of a rank group (``moepipe.ranks.leader``), loading only
 ``rank0.safetensors``; ``initialize`` returns once the workers have joined. A lost rank ends
@@ -36,9 +39,11 @@ from moepipe.runtime.checkpoint import load_checkpoint  # noqa: E402
 from moepipe.runtime.model import ReferenceModel  # noqa: E402
 from moepipe.runtime.sampling import SamplingParams  # noqa: E402
 from moepipe.serving.batcher import Batcher  # noqa: E402
+from moepipe.serving.live import LiveUpdates, VersionMetric, start_control  # noqa: E402
 from moepipe.serving.metrics import EngineCounters, ServingMetrics  # noqa: E402
 from moepipe.serving.request import GenerationRequest  # noqa: E402
 from moepipe.serving.trtllm_metrics import TrtllmMetrics, iteration_values  # noqa: E402
+from moepipe.serving.versions import requested_version  # noqa: E402
 
 # Metrics are calls into the server: publish them at most this often, not every step.
 METRICS_PERIOD_S = 0.5
@@ -61,7 +66,8 @@ def build_engine(args: dict, params: dict, max_batch_size: int, on_step, leader=
         ReferenceModel(load_checkpoint(model_path(args, params["checkpoint_dir"])))
     return Batcher(model, max_batch_size=max_batch_size, max_seq_len=int(params["max_seq_len"]),
                    max_input_len=int(params["max_input_len"]), on_step=on_step,
-                   admission=admission, health=leader)
+                   admission=admission, health=leader,
+                   version=params.get("weights_version") or "")
 
 
 def form_group(args: dict, params: dict, max_batch_size: int):
@@ -115,6 +121,13 @@ class TritonPythonModel:
             self.rank_metrics = RankMetrics(pb_utils, self.name, self.leader)
             self.leader.on_health = \
                 lambda up, why: self.frontend.outbox.put(self.rank_metrics.publish)
+        # metric calls are made on the outbox thread only (see _on_step)
+        self.version_metric = VersionMetric(pb_utils, self.name, e.versions.serving)
+        # with a rank group, every rank stages its part of a new version (moepipe.ranks)
+        where = params.get("control_socket")
+        self.control = start_control(where and model_path(args, where), LiveUpdates(
+            e, model_path(args, params["checkpoint_dir"]), group=self.leader,
+            on_switch=lambda old, new: self.frontend.outbox.put(self.version_metric.set, new)))
         e.start()
 
     def execute(self, requests):
@@ -153,7 +166,8 @@ class TritonPythonModel:
             return_log_probs=row.return_log_probs, streaming=row.streaming,
             embedding_bias=torch.from_numpy(bias.copy()) if bias is not None else None,
             is_cancelled=group.cancelled, return_context_logits=row.return_context_logits,
-            return_generation_logits=row.return_generation_logits)
+            return_generation_logits=row.return_generation_logits,
+            weights_version=requested_version(job.parameters))
         sent_first = []
 
         # Called on the engine thread: snapshot what the response needs; the core builds and
@@ -200,6 +214,8 @@ class TritonPythonModel:
             put(self.rank_metrics.publish)
 
     def finalize(self):
+        if self.control is not None:
+            self.control.close()
         self.engine.stop()
         if self.leader is not None:
             self.leader.close()  # the workers stop
@@ -212,6 +228,7 @@ class TritonPythonModel:
         self.serving_metrics.close()
         self.trtllm_metrics.close()
         self.counters.close()
+        self.version_metric.close()
         if self.rank_metrics is not None:
             self.rank_metrics.close()
 
