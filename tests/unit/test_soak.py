@@ -139,8 +139,8 @@ def test_a_remote_deployment_says_its_memory_is_not_measured():
 
 def test_the_gauges_it_reads():
     cpu = ('# TYPE moepipe_kv_slots_used gauge\nmoepipe_kv_slots_used{model="tensorrt_llm"} 3\n'
-           'moepipe_kv_slots_used{model="fallback"} 1\nmoepipe_kv_slots_total{model='
-           '"tensorrt_llm"} 8\nmoepipe_kv_slots_total{model="fallback"} 4\n')
+           'moepipe_kv_slots_used{model="fallback"} 1\nmoepipe_kv_slots{model='
+           '"tensorrt_llm"} 8\nmoepipe_kv_slots{model="fallback"} 4\n')
     assert soak.kv_use(cpu) == (4.0, 12.0)
     engine = ('nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="tensorrt_llm'
               '",version="1"} 120\nnv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",'

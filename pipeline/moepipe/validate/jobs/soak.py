@@ -4,7 +4,7 @@ watched; what a day-long qualification run asks of a deployment, in one job.
 Every ``sample_s`` the job samples the RSS of the deployment's processes (the local server and
 its Python backend stubs, found by their command lines: :mod:`moepipe.deploy.local.processes`;
 a remote endpoint has none here, and the memory check says so) and its KV use (``/metrics``:
-the cpu target's ``moepipe_kv_slots_used`` / ``_total``, else TensorRT-LLM's
+the cpu target's ``moepipe_kv_slots_used`` / ``moepipe_kv_slots``, else TensorRT-LLM's
 ``nv_trt_llm_kv_cache_block_metrics`` ``used`` / ``max`` blocks). It reports:
 
 * the error rate: requests rejected, failed, timed out or not sent (the client's in-flight
@@ -46,7 +46,7 @@ MIB = 1 << 20
 PLOT_POINTS = 300  # points per series the report keeps (a day of samples thinned)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", re.M)
 # (used, capacity) gauges, in the order they are looked for
-KV_GAUGES = ((("moepipe_kv_slots_used", ""), ("moepipe_kv_slots_total", "")),
+KV_GAUGES = ((("moepipe_kv_slots_used", ""), ("moepipe_kv_slots", "")),
              (("nv_trt_llm_kv_cache_block_metrics", 'kv_cache_block_type="used"'),
               ("nv_trt_llm_kv_cache_block_metrics", 'kv_cache_block_type="max"')))
 
@@ -265,8 +265,8 @@ def judge(job: JobResult, s: SoakSection, state: dict, where: str, local: bool) 
         points = [(p.t, p.kv_used) for p in probes if p.kv_used is not None]
         total = max((p.kv_total or 0 for p in probes), default=0)
         if not points or not total:
-            raise Skip("the endpoint exports no KV-cache gauge (moepipe_kv_slots_* or "
-                       "nv_trt_llm_kv_cache_block_metrics)")
+            raise Skip("the endpoint exports no KV-cache gauge (moepipe_kv_slots_used / "
+                       "moepipe_kv_slots or nv_trt_llm_kv_cache_block_metrics)")
         job.data["kv_total"] = total
         out = leak("kv_use", points, s.max_kv_growth * total, "slots or blocks",
                    "validate.soak.max_kv_growth x the KV capacity")
