@@ -3,13 +3,14 @@
     python benchmarks/soak_run.py [--seconds 300] [--rate 2] [--usd-per-hour 0.10]
         [--ports 18600] [--workdir DIR] [--json FILE]
 
-Builds tiny-mixtral (tp=2, moe_ep=2) in a fresh workdir, deploys it on loopback
-(``--ports``: HTTP, then gRPC and metrics on the next two), runs ``moepipe validate --job perf``
-with ``validate.cost.usd_per_hour`` and then ``--job soak`` for ``--seconds`` at ``--rate``
-requests/s, stops the server and prints the figures the README quotes (every gate's result,
-error rate, p50/p99 of the first and last windows, RSS and KV trends, the cost per million
-tokens at each perf point). The reports stay in ``<workdir>/reports``. Run it under the
-machine's heavy-work lock: it holds a tritonserver and a steady load for the whole run.
+Builds tiny-mixtral (tp=2, moe_ep=2) in a fresh workdir, deploys it on loopback (``--ports``:
+HTTP, then gRPC, metrics and rank 0's port for the other rank on the next three), runs
+``moepipe validate --job perf`` with ``validate.cost.usd_per_hour`` and then ``--job soak`` for
+``--seconds`` at ``--rate`` requests/s, stops the server and prints the figures the README
+quotes (every gate's result, error rate, p50/p99 of the first and last windows, RSS and KV
+trends, the cost per million tokens at each perf point). The reports stay in
+``<workdir>/reports``. Run it under the machine's heavy-work lock: it holds a tritonserver and
+a steady load for the whole run.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"example": "tiny-mixtral"}, "parallel": {"tp": 2, "moe_ep": 2},
         "workdir": str(work / "work"),
         "deploy": {"http_port": args.ports, "grpc_port": args.ports + 1,
-                   "metrics_port": args.ports + 2},
+                   "metrics_port": args.ports + 2, "rank_port": args.ports + 3},
         "validate": {"load": {"max_tokens": 16},
                      "perf": {"concurrency": [1, 4], "rates": [], "requests": 48,
                               "duration_s": 30},

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 import typer
 
 from moepipe import __version__
+from moepipe.commands.ci import SOAK_SECONDS
 from moepipe.config import Dtype, JobName, KvCacheFormat, QuantFormat, Target, field_help
 from moepipe.errors import ConfigError, MoepipeError
 from moepipe.examples import EXAMPLES
@@ -531,7 +532,7 @@ def validate(config: Path | None = ConfigOpt,
 
 @app.command()
 def ci(step: CiStep = typer.Argument(..., help="build | deploy-validate (cpu: deploy, "
-                                      "validate, stop) | gpu-validate (launch.sh on a GPU "
+                                      "validate, soak, stop) | gpu-validate (launch.sh on a GPU "
                                       "runner, validate, stop)."),
        config: Path | None = typer.Option(None, "-c", "--config", envvar="MOEPIPE_CONFIG",
                                           help="Pipeline config (default ./moepipe.yaml)."),
@@ -540,13 +541,18 @@ def ci(step: CiStep = typer.Argument(..., help="build | deploy-validate (cpu: de
                                          "for the pipeline to publish."),
        ready_timeout: float = typer.Option(1800, "--ready-timeout",
                                            envvar="MOEPIPE_READY_TIMEOUT_S",
-                                           help="gpu-validate: seconds to wait for ready.")
+                                           help="gpu-validate: seconds to wait for ready."),
+       soak_seconds: float = typer.Option(SOAK_SECONDS, "--soak-seconds", min=0,
+                                          envvar="MOEPIPE_SOAK_SECONDS",
+                                          help="deploy-validate: the soak run after the "
+                                               "config's jobs, in seconds (0: none).")
        ) -> None:
     """One step of moepipe's CI pipelines (ci/github-actions.yml, ci/gitlab-ci.yml); with
     GITHUB_STEP_SUMMARY set, the validation results go to the job summary."""
     from moepipe.commands.ci import run_ci
 
-    if not run_ci(step, config or Path("moepipe.yaml"), reports, _echo, ready_timeout):
+    if not run_ci(step, config or Path("moepipe.yaml"), reports, _echo, ready_timeout,
+                  soak_seconds):
         raise typer.Exit(1)
 
 

@@ -1,8 +1,9 @@
 """`moepipe ci STEP`, the steps both CI pipelines run, run here as a CI runner runs them: build
-(twice: a restored cache reuses every stage), then deploy (cpu) + validate + stop, with the
-JUnit, JSON and HTML reports copied where the pipelines publish them from and the results in
-GitHub's job summary."""
+(twice: a restored cache reuses every stage), then deploy (cpu) + validate + a short soak +
+stop, with the JUnit, JSON and HTML reports copied where the pipelines publish them from and
+the results in GitHub's job summary."""
 
+import json
 import os
 import subprocess
 import sys
@@ -24,8 +25,9 @@ def test_ci_steps_build_deploy_validate_stop_and_publish(tmp_path):
     cfg = make_config(tmp_path / "project", validate={"jobs": ["smoke"]})
     project = tmp_path / "project"
     summary = tmp_path / "step-summary.md"
+    # the pipelines' soak (60 s) shortened, through the variable they set
     env = {**os.environ, "MOEPIPE_REPORTS": str(tmp_path / "ci-reports"),
-           "GITHUB_STEP_SUMMARY": str(summary)}
+           "GITHUB_STEP_SUMMARY": str(summary), "MOEPIPE_SOAK_SECONDS": "24"}
     try:
         build = _ci("build", cwd=project, env=env)
         assert build.returncode == 0, build.stdout + build.stderr
@@ -42,12 +44,25 @@ def test_ci_steps_build_deploy_validate_stop_and_publish(tmp_path):
     reports = tmp_path / "ci-reports"
     assert sorted(p.name for p in reports.iterdir()) == ["validate.html", "validate.json",
                                                          "validate.junit.xml"]
-    suite = ET.parse(reports / "validate.junit.xml").getroot().find("testsuite")
-    assert int(suite.get("tests")) > 0
-    assert int(suite.get("failures")) == 0 and int(suite.get("errors", 0)) == 0
+    suites = {s.get("name"): s for s in
+              ET.parse(reports / "validate.junit.xml").getroot().iter("testsuite")}
+    assert list(suites) == ["smoke", "soak"]  # the soak after the config's jobs
+    for suite in suites.values():
+        assert int(suite.get("tests")) > 0
+        assert int(suite.get("failures")) == 0 and int(suite.get("errors", 0)) == 0
     text = summary.read_text()
     assert text.startswith("### moepipe validate: passed (cpu target)")
-    assert f"| smoke | passed | {suite.get('tests')} | 0 |" in text
+    assert f"| smoke | passed | {suites['smoke'].get('tests')} | 0 |" in text
+    assert f"| soak | passed | {suites['soak'].get('tests')} | 0 | 0 |" in text
+    # the soak ran for the pipeline's length and measured the deployment it ran against: its
+    # processes' memory and its KV slots, each trend from samples after the warm-up window
+    soak = json.loads((reports / "validate.json").read_text())["jobs"][1]
+    assert soak["data"]["seconds"] == 24 and soak["data"]["outcomes"]["ok"] > 0
+    assert {c["name"]: c["status"] for c in soak["cases"]} == {
+        "steady_load": "passed", "error_rate": "passed", "latency_drift": "passed",
+        "memory_trend": "passed", "kv_trend": "passed", "no_restarts": "passed",
+        "client_not_saturated": "passed"}
+    assert len(soak["data"]["memory"]["samples"]) >= 8
 
 
 def test_ci_refuses_unknown_steps_missing_configs_and_the_wrong_target(tmp_path):

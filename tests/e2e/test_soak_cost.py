@@ -35,7 +35,7 @@ def test_a_short_soak_passes_and_measures_the_deployment(soak_report, deployment
     # the server and its five Python backend stubs: a real, plausible RSS
     rss = [y for _, y in data["memory"]["samples"]]
     assert len(rss) >= 12 and 200 < min(rss) < 20000
-    assert data["kv_total"] == 16  # max_batch_size x the model instance (moepipe_kv_slots_total)
+    assert data["kv_total"] == 16  # max_batch_size x the model instance (moepipe_kv_slots)
     assert cases["kv_trend"].details["idle"] == 0
     assert cases["kv_trend"].details["drained_after_s"] is not None
     drift = data["latency_drift"]

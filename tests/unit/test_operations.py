@@ -554,6 +554,57 @@ def test_ci_job_summary_names_every_check_that_did_not_pass(tmp_path, monkeypatc
         "- `perf.rate_4`: connection refused", ""]
 
 
+@pytest.mark.parametrize("name", ["github-actions.yml", "gitlab-ci.yml"])
+def test_ci_pipelines_soak_after_validating_within_the_jobs_timeout(name):
+    """CI runs a short soak on the cpu target: the deploy-validate job sets the length the
+    `moepipe ci` option reads (its environment variable), and its timeout leaves room for it."""
+    import typer.main
+
+    from moepipe.cli import app
+    from moepipe.commands.ci import SOAK_SECONDS
+
+    command = typer.main.get_command(app).commands["ci"]  # type: ignore[attr-defined]
+    option = next(o for o in command.params if o.name == "soak_seconds")
+    assert option.default == SOAK_SECONDS > 0
+    doc = yaml.safe_load((CI / name).read_text())
+    env = doc.get("env") or doc.get("variables")
+    seconds = float(env[option.envvar])  # type: ignore[attr-defined]
+    assert seconds == SOAK_SECONDS
+    job = _jobs(doc)["deploy-validate"]
+    assert "moepipe ci deploy-validate" in _commands(doc, job)
+    timeout_s = job["timeout-minutes"] * 60 if "timeout-minutes" in job else \
+        int(job["timeout"].removesuffix("m")) * 60
+    assert timeout_s >= seconds + 15 * 60  # deploy, the other jobs and the drain fit too
+
+
+def test_ci_soak_follows_the_configs_jobs_with_its_gates_and_scaled_windows(tmp_path):
+    from moepipe.commands.ci import ci_jobs
+    from moepipe.errors import MoepipeError
+
+    def cfg(**validate):
+        return parse_config({"model": {"example": "tiny-mixtral"},
+                             "validate": {"jobs": ["smoke", "perf"], **validate}},
+                            "moepipe.yaml")
+
+    c = cfg(soak={"max_error_rate": 0.01, "rate": 3})
+    assert ci_jobs(c, 60) == ["smoke", "perf", "soak"]
+    s = c.validation.soak
+    # the gates and the rate are the config's; two windows and the trends' samples fit the run
+    assert (s.seconds, s.window_s, s.sample_s) == (60, 20, 5)
+    assert (s.max_error_rate, s.rate, s.max_memory_growth_mib) == (0.01, 3, 256)
+    c = cfg()
+    ci_jobs(c, 24)
+    assert (c.validation.soak.window_s, c.validation.soak.sample_s) == (8, 2)
+    c = cfg()
+    assert ci_jobs(c, 0) == ["smoke", "perf"] and c.validation.soak.seconds == 1800
+    # a config that runs its own soak keeps it as written: no second, shorter one
+    c = cfg(jobs=["soak", "smoke"], soak={"seconds": 600})
+    assert ci_jobs(c, 60) == ["soak", "smoke"] and c.validation.soak.seconds == 600
+    with pytest.raises(MoepipeError) as e:
+        ci_jobs(cfg(), 8 * 86400)
+    assert "soak seconds 691200" in str(e.value) and "MOEPIPE_SOAK_SECONDS" in e.value.hint
+
+
 # -- the Locust file ------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("host", "target"), [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"),

@@ -7,8 +7,9 @@ the version the pipeline installs and fails like every command (one line, exit 2
 
 * ``build``: ``moepipe build`` (stages reused by their fingerprints when the workdir was
   restored from the CI cache);
-* ``deploy-validate``: cpu target: deploy, validate, stop - the server is stopped and the
-  reports copied whatever happens;
+* ``deploy-validate``: cpu target: deploy, validate (the config's jobs, then a short soak:
+  ``--soak-seconds``, 60 by default), stop - the server is stopped and the reports copied
+  whatever happens;
 * ``gpu-validate``: a GPU target on a GPU runner: deploy (renders), ``launch.sh`` in the
   background, wait for ready, validate, stop it.
 
@@ -30,17 +31,21 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from moepipe.config import MoepipeConfig, load_config
+from pydantic import ValidationError
+
+from moepipe.config import MoepipeConfig, SoakSection, load_config
 from moepipe.errors import MoepipeError
 from moepipe.targets import get_target, targets_where
 
 STEPS = ("build", "deploy-validate", "gpu-validate")
+SOAK_SECONDS = 60.0  # deploy-validate's soak: long enough for trends after a warm-up window
 Echo = Callable[[str], None]
 
 
 def run_ci(step: str, config: Path, reports: Path, echo: Echo,
-           ready_timeout_s: float = 1800) -> bool:
-    """Run one CI step; True when it passed (validation failures: False, exit 1)."""
+           ready_timeout_s: float = 1800, soak_seconds: float = SOAK_SECONDS) -> bool:
+    """Run one CI step; True when it passed (validation failures: False, exit 1).
+    ``soak_seconds``: the soak deploy-validate runs after the config's jobs (0: none)."""
     from moepipe.commands.build import run_build
 
     if step not in STEPS:
@@ -51,13 +56,35 @@ def run_ci(step: str, config: Path, reports: Path, echo: Echo,
     cfg = load_config(config)
     try:
         if step == "deploy-validate":
-            return _deploy_validate(cfg, echo)
+            return _deploy_validate(cfg, echo, ci_jobs(cfg, soak_seconds))
         return _gpu_validate(cfg, echo, ready_timeout_s)
     finally:
         publish(cfg.workdir / "reports", reports)
 
 
-def _deploy_validate(cfg: MoepipeConfig, echo: Echo) -> bool:
+def ci_jobs(cfg: MoepipeConfig, soak_seconds: float) -> list[str]:
+    """The jobs deploy-validate runs: the config's (``validate.jobs``), then a soak of
+    ``soak_seconds`` (0: none). A config whose jobs hold ``soak`` gets its own soak as
+    configured, not a second one. The CI soak keeps the config's gates (``validate.soak.*``)
+    and rate; its latency window and sampling shrink with it (at most a third and a twelfth of
+    the run) so that drift has two windows and each trend some samples after the warm-up."""
+    jobs: list[str] = list(cfg.validation.jobs)
+    if "soak" in jobs or soak_seconds == 0:
+        return jobs
+    s = cfg.validation.soak
+    try:
+        cfg.validation.soak = SoakSection.model_validate({
+            **s.model_dump(), "seconds": soak_seconds,
+            "window_s": min(s.window_s, soak_seconds / 3),
+            "sample_s": min(s.sample_s, soak_seconds / 12)})
+    except ValidationError as e:
+        raise MoepipeError(f"soak seconds {soak_seconds:g}: {e.errors()[0]['msg']}",
+                           "set --soak-seconds (MOEPIPE_SOAK_SECONDS) to a length of the "
+                           "soak in seconds, or 0 for none") from None
+    return [*jobs, "soak"]
+
+
+def _deploy_validate(cfg: MoepipeConfig, echo: Echo, jobs: list[str]) -> bool:
     from moepipe.commands.deploy import run_deploy, state_dir
     from moepipe.commands.validate import run_validate
     from moepipe.deploy.local import lifecycle
@@ -68,7 +95,7 @@ def _deploy_validate(cfg: MoepipeConfig, echo: Echo) -> bool:
                            f"{cfg.target}'s", "use `moepipe ci gpu-validate` on a GPU runner")
     run_deploy(cfg, echo=echo)
     try:
-        report, _ = run_validate(cfg, echo=echo)
+        report, _ = run_validate(cfg, jobs=jobs, echo=echo)
     finally:
         lifecycle.stop(state_dir(cfg))
     return report.passed
