@@ -45,7 +45,7 @@ def test_busy_port_is_reported_before_starting(tmp_path):
     _no_server(cfg)
 
 
-@pytest.mark.parametrize("rank,tp", [(0, 1), (1, 2)], ids=["server", "worker-rank"])
+@pytest.mark.parametrize("rank,tp", [(0, 1), (0, 2)], ids=["one-process", "rank-group"])
 def test_model_that_fails_to_load_shows_the_servers_reason(tmp_path, rank, tp):
     cfg = make_config(tmp_path / "w", parallel={"tp": tp, "moe_ep": tp})
     run_build(cfg.workdir / "moepipe.yaml", echo=lambda s: None)
@@ -59,12 +59,9 @@ def test_model_that_fails_to_load_shows_the_servers_reason(tmp_path, rank, tp):
     proc = _cli("deploy", cwd=cfg.workdir)
     assert proc.returncode == 2
     first = proc.stderr.splitlines()[0]
-    if rank == 0:  # the tensorrt_llm model in the server loads it
-        assert first.startswith("error: tritonserver exited during start")
-        assert "tensorrt_llm" in first and "truncated" in first
-    else:  # a worker rank's own process of the rank group: its reason, at once
-        assert first.startswith("error: worker rank 1 exited during start"), first
-        assert "rank1.log" in proc.stderr
+    # rank 0 is the tensorrt_llm model in the server, in one process or a rank group
+    assert first.startswith("error: tritonserver exited during start")
+    assert "tensorrt_llm" in first and "truncated" in first
     _no_server(cfg)
     out = subprocess.run(["pgrep", "-f", str(cfg.workdir)], capture_output=True, text=True)
     assert out.stdout.strip() == "", "a server process was left behind"

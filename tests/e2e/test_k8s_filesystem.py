@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -93,6 +94,9 @@ def test_cpu_pod_serves_with_a_read_only_root(tmp_path):
     if binary.backend_dir is not None:
         command.append(f"--backend-directory={binary.backend_dir}")
         keep.append(str(tmp_path))
+    venv = Path(sys.prefix).resolve()  # the server and Python: hidden by /tmp's tmpfs when the
+    if any(venv.is_relative_to(t) for t in tmpfs):  # checkout itself lives under /tmp
+        keep.append(str(venv))
     env = server_env()
     env.update({e["name"]: e["value"] for e in c["env"]})
     env.update(PATH=f"{bindir}:{env['PATH']}", KEEP=" ".join(keep), TMPFS=" ".join(tmpfs))

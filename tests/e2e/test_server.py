@@ -261,7 +261,6 @@ def test_validate_command_passes_with_reports(deployment):
 
 def test_status_and_second_deploy_refused(deployment):
     from moepipe.commands.deploy import run_deploy
-    from moepipe.errors import MoepipeError
 
     cfg, _ = deployment
     proc = subprocess.run([sys.executable, "-m", "moepipe", "status", "--json", "-c",
@@ -269,5 +268,12 @@ def test_status_and_second_deploy_refused(deployment):
     info = json.loads(proc.stdout)
     assert info["running"] and info["http"] == f"127.0.0.1:{cfg.deploy.http_port}"
     assert isinstance(info["pid"], int) and info["metrics"].endswith(str(cfg.deploy.metrics_port))
-    with pytest.raises(MoepipeError, match="already running"):
-        run_deploy(cfg, echo=lambda s: None)
+    # a second deploy of the same build starts no second server: the serving version stays
+    # (a new build would be a live update, issue 23)
+    said: list[str] = []
+    assert run_deploy(cfg, echo=said.append)["updated"] is False
+    assert any("serving already; nothing to update" in line for line in said), said
+    again = json.loads(subprocess.run([sys.executable, "-m", "moepipe", "status", "--json", "-c",
+                                       str(cfg.workdir / "moepipe.yaml")],
+                                      capture_output=True, text=True).stdout)
+    assert again["pid"] == info["pid"]

@@ -197,7 +197,6 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
                 reason = failure_reason(log) or f"exit code {proc.returncode}"
                 raise ServerError(f"tritonserver exited during start: {reason}",
                                   f"full log: {log}", details=log_tail(log))
-            _check_workers(state, state_dir)
             if ready(state):
                 watch(state_dir, state)  # so that a model process that dies is noticed
                 write_state(state_dir, state)
@@ -209,18 +208,6 @@ def start(repository: Path, state_dir: Path, *, host: str, http_port: int, grpc_
     except BaseException:
         clear(state_dir)
         raise
-
-
-def _check_workers(state: ServerState, state_dir: Path) -> None:
-    """A worker rank that exited while the group forms fails the start with its reason (rank
-    0 would wait for it until deploy.ready_timeout_s)."""
-    for rank, pid in sorted((state.ranks or {}).items()):
-        if not processes.alive(pid):
-            rank_log = state_dir / f"rank{rank}.log"
-            lines = [x for x in log_tail(rank_log).splitlines() if x.strip()]
-            reason = lines[-1].strip() if lines else "no output"
-            raise ServerError(f"worker rank {rank} exited during start: {reason}",
-                              f"full log: {rank_log}", details=log_tail(rank_log))
 
 
 def watch(state_dir: Path, state: ServerState) -> list[str]:
