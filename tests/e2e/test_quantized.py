@@ -130,5 +130,5 @@ def test_quantized_build_for_trtllm_pytorch_serves_the_unified_checkpoint(tmp_pa
     assert deployed.returncode == 0, deployed.stderr
     model_yaml = next((work / "deploy").rglob("model.yaml"))
     served = yaml.safe_load(model_yaml.read_text())["model"]
-    # relative to the model's folder (a relocatable deployment, issue 25 item 1)
-    assert (model_yaml.parent / served).resolve() == (work / "quantized").resolve()
+    # relative to the model's folder, args["model_repository"] (a relocatable deployment)
+    assert (model_yaml.parent.parent / served).resolve() == (work / "quantized").resolve()

@@ -102,6 +102,9 @@ def test_ranks_in_two_network_namespaces_answer_as_transformers(namespaces, tmp_
     wrapper.chmod(0o755)
     env = server_env()
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    # a pod's environment: not this test process's (an in-process rank group of an earlier test
+    # pins GLOO_SOCKET_IFNAME to loopback, which would bind both ranks to 127.0.0.1)
+    env.pop("GLOO_SOCKET_IFNAME", None)
     # what LeaderWorkerSet gives the pods of group 0
     lws = {"LWS_LEADER_ADDRESS": ns.addr_a, "LWS_GROUP_SIZE": "2", "LWS_GROUP_INDEX": "0"}
     leader = ns.run(ns.a, ["/bin/sh", str(tmp_path / "leader.sh")],
