@@ -112,3 +112,33 @@ def test_a_killed_rank_is_noticed_and_the_next_group_serves(examples, tmp_path):
                 assert not leader.ready
         finally:
             leader.close()
+
+
+def test_the_leader_closes_its_store_socket_once(examples, tmp_path):
+    """The TCPStore owns the listening descriptor it is given and closes it when dropped. The
+    leader once kept a Python socket on the same number, so the number was closed twice: the
+    second close hit whatever file had been opened in between (CI: a conversion's reader got
+    'Bad file descriptor' after the previous family's rank group was dropped)."""
+    import gc
+
+    out = tmp_path / "ckpt"
+    convert(examples["tiny-mixtral"], out, tp=2, moe_ep=2)
+    leader = _leader(out, "127.0.0.1:0", 2)
+    leader.close()
+    store = leader.store
+    del leader
+    gc.collect()  # the leader and everything it held but the store are gone
+    # files opened now take the lowest free descriptors, the ones the leader let go of among them
+    victims = [open(out / "config.json", "rb") for _ in range(8)]  # noqa: SIM115
+    try:
+        del store
+        gc.collect()  # the store closes its own descriptor: none of these files'
+        for victim in victims:
+            os.fstat(victim.fileno())
+            assert victim.read(1) == b"{"
+    finally:
+        for victim in victims:
+            try:
+                victim.close()
+            except OSError:
+                pass

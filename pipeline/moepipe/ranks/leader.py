@@ -85,10 +85,14 @@ class Leader:
                                   on_end=self.timings.add, on_lost=self.mark_lost)
         self.model = ReferenceModel(ckpt, comm=self.comm)
         self.listener = socket.create_server((settings.host, settings.port))
-        self._store_socket = socket.create_server((settings.host, 0))
-        self.store = dist.TCPStore(settings.host, self._store_socket.getsockname()[1],
-                                   None, True, wait_for_workers=False,
-                                   master_listen_fd=self._store_socket.fileno())
+        # The store owns the listening socket's descriptor and closes it when it is dropped:
+        # the Python socket object lets go of it (detach), or it would close the same number a
+        # second time later, by then perhaps a file another thread has just opened.
+        store_socket = socket.create_server((settings.host, 0))
+        store_port = store_socket.getsockname()[1]
+        self.store = dist.TCPStore(
+            settings.host, store_port, None, True, wait_for_workers=False,
+            master_listen_fd=store_socket.detach())
         self.generation = 0
         self.losses = 0  # groups lost so far
         self.workers: dict[int, Channel] = {}
