@@ -386,14 +386,20 @@ def build(config: Path | None = ConfigOpt,
 def deploy(config: Path | None = ConfigOpt, as_json: bool = JsonOpt,
            rollback: bool = typer.Option(False, "--rollback", help="Return to the version "
                                          "the last update replaced (validated first, as an "
-                                         "update).")) -> None:
+                                         "update)."),
+           to_cluster: bool = typer.Option(False, "--rollout", help="Roll the build out "
+                                           "blue/green to Kubernetes (the current kubectl "
+                                           "context) with the rendered k8s/rollout.sh: "
+                                           "validated beside the serving release before "
+                                           "traffic moves.")) -> None:
     """Render the Triton model repository; for the cpu target start a local Triton server, or
     update a running one in place when only the weights changed (validated before traffic
     moves)."""
     from moepipe.commands.deploy import run_deploy
     from moepipe.config import load_config
 
-    result = run_deploy(load_config(config), echo=_say(as_json), rollback=rollback)
+    result = run_deploy(load_config(config), echo=_say(as_json), rollback=rollback,
+                        to_cluster=to_cluster)
     if as_json:
         _emit(result)
 

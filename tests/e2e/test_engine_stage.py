@@ -444,7 +444,7 @@ def render_with_engine(examples, engine, root):
     cfg = parse_config({"model": {"path": str(model)}, "target": "trtllm-engine",
                         "parallel": {"tp": 2, "moe_ep": 2}, "workdir": str(root / "work")})
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    art = Artifacts(model_dir=model, engine_dir=engine, vocab_size=vocab)
+    art = Artifacts(version="0123456789ab", model_dir=model, engine_dir=engine, vocab_size=vocab)
     return cfg, render_deployment(cfg, art)
 
 

@@ -21,7 +21,7 @@ def test_the_rendered_model_repository_ships_the_reader_and_the_window(examples,
     cfg = parse_config({"model": {"path": str(model)}, "target": "trtllm-pytorch",
                         "parallel": {"tp": 2, "moe_ep": 2}, "workdir": str(tmp_path / "w"),
                         "deploy": WINDOW}).resolve_paths(tmp_path)
-    repo = render_deployment(cfg, Artifacts(model_dir=model, vocab_size=128))
+    repo = render_deployment(cfg, Artifacts(version="0123456789ab", model_dir=model, vocab_size=128))
     pbtxt = text_format.Parse((repo / "tensorrt_llm" / "config.pbtxt").read_text(),
                               model_config_pb2.ModelConfig())
     params = {k: v.string_value for k, v in pbtxt.parameters.items()}

@@ -66,15 +66,16 @@ def test_cpu_pod_serves_with_a_read_only_root(tmp_path):
     # world size 1: one pod, a Deployment (a rank group is a LeaderWorkerSet: test_rank_hosts)
     cfg = make_config(tmp_path / "w", parallel={"tp": 1, "moe_ep": 1})
     run_build(cfg.workdir / "moepipe.yaml", echo=lambda s: None)
-    render_deployment(cfg, artifacts(cfg))
+    art = artifacts(cfg)
+    render_deployment(cfg, art)
     http, grpc, metrics = free_ports(3)
     pod_cfg = cfg.model_copy(deep=True)
     pod_cfg.deploy = pod_cfg.deploy.model_copy(update={
         "http_port": http, "grpc_port": grpc, "metrics_port": metrics})
     out = tmp_path / "rendered"
     out.mkdir()
-    render_operations(pod_cfg, out)
-    (dep,) = yaml.safe_load_all((out / "k8s" / "deployment.yaml").read_text())
+    render_operations(pod_cfg, out, version=art.version)  # the release rendered above
+    (dep,) = yaml.safe_load_all((out / "k8s" / "release" / "deployment.yaml").read_text())
     spec = dep["spec"]["template"]["spec"]
     (c,) = spec["containers"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True

@@ -77,7 +77,7 @@ def namespaces():
 
 
 def _scripts(deploy_dir: Path) -> dict[str, str]:
-    for doc in yaml.safe_load_all((deploy_dir / "k8s" / "launch-configmap.yaml").read_text()):
+    for doc in yaml.safe_load_all((deploy_dir / "k8s" / "release" / "launch-configmap.yaml").read_text()):
         if doc and doc.get("kind") == "ConfigMap":
             return doc["data"]
     raise AssertionError("no launch ConfigMap rendered")

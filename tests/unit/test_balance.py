@@ -178,7 +178,7 @@ def test_deploy_renders_the_placement_into_model_yaml(tmp_path, examples):
     write_placement(balance({li: [9, 1, 1, 1, 1, 1, 1, 5] for li in range(4)}, moe_ep=2),
                     tmp_path / "placement.yaml")
     cfg = _config(tmp_path, examples["tiny-mixtral"])
-    art = Artifacts(model_dir=examples["tiny-mixtral"], checkpoint_dir=tmp_path / "none",
+    art = Artifacts(version="0123456789ab", model_dir=examples["tiny-mixtral"], checkpoint_dir=tmp_path / "none",
                     vocab_size=512)
     render_deployment(cfg, art)
     text = (cfg.deploy_dir / "model_repo" / "tensorrt_llm" / "1" / "model.yaml").read_text()

@@ -21,6 +21,8 @@ from moepipe.deploy.cluster.operate import render_operations
 from moepipe.deploy.metric_names import EXPORTED
 from moepipe.serving.metrics import GAUGES
 
+VERSION = "0123456789ab"  # the build version the pods serve (a fingerprint's 12 hex digits)
+
 README = Path(__file__).parents[2] / "README.md"
 NAME_LABEL, INSTANCE_LABEL, VERSION_LABEL, COMPONENT_LABEL, MANAGED_BY_LABEL = (
     k8s_labels.NAME_LABEL, k8s_labels.INSTANCE_LABEL, k8s_labels.VERSION_LABEL,
@@ -145,7 +147,7 @@ def test_recorded_series_name_their_window_and_alerts_their_runbook(tmp_path, wi
     cfg.validation.cost = CostSection(usd_per_hour=3.6, max_usd_per_million_tokens=1.0)
     out = tmp_path / "deploy"
     out.mkdir()
-    render_operations(cfg, out)
+    render_operations(cfg, out, version=VERSION)
     rules = yaml.safe_load((out / "monitoring" / "moepipe-rules.yml").read_text())
     group = rules["groups"][0]["rules"]
     recorded = [r["record"] for r in group if "record" in r]

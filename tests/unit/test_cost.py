@@ -17,6 +17,8 @@ from moepipe.utils.cost import usd_per_million
 from moepipe.validate.jobs.perf import cost_gate, cost_of
 from moepipe.validate.report import CheckFailed
 
+VERSION = "0123456789ab"  # the build version the pods serve (a fingerprint's 12 hex digits)
+
 
 def test_the_formula():
     """$/M tokens = $/h / (tokens/s x 3600) x 1e6: 3.6 US$/h at 1000 tokens/s is 1 US$."""
@@ -160,7 +162,7 @@ def test_rendered_rules_carry_the_configured_price(tmp_path):
 
     out = tmp_path / "deploy"
     out.mkdir()
-    render_operations(cfg, out)
+    render_operations(cfg, out, version=VERSION)
     rules = yaml.safe_load((out / "monitoring" / RULES_FILE).read_text())["groups"][0]["rules"]
     by = {r.get("record") or r["alert"]: r for r in rules}
     cost = monitoring.recorded(cfg.deploy.monitoring.rate_window_s).cost

@@ -61,10 +61,10 @@ def test_a_leader_worker_set_carries_the_environment_to_every_pod(tmp_path):
     """trtllm-pytorch serves one node today (k8s.shape); a LeaderWorkerSet of a plan with
     the environment gives it to the leader and the workers, beside POD_NAME."""
     cfg = make_cfg(tmp_path, "trtllm-pytorch", **WINDOW)
-    pod, _ = plan(cfg)
+    pod, _ = plan(cfg, "0123456789ab")
     shape = k8s.Shape(16, 2, 8)
     (lws,) = k8s.objects(pod, shape, min_replicas=1, max_replicas=2, metric="m",
-                         target="1")["leaderworkerset.yaml"]
+                         target="1")["release/leaderworkerset.yaml"]
     assert k8s_errors(lws, "1.37") == []
     templates = lws["spec"]["leaderWorkerTemplate"]
     for key in ("leaderTemplate", "workerTemplate"):
@@ -85,7 +85,7 @@ def test_the_local_command_line_names_the_environment(tmp_path):
     from moepipe.commands.deploy import _gpu_instructions
 
     cfg = make_cfg(tmp_path, "trtllm-pytorch", **WINDOW)
-    text = _gpu_instructions(cfg, Artifacts(model_dir=tmp_path), cfg.deploy_dir / "model_repo")
+    text = _gpu_instructions(cfg, Artifacts(version="0123456789ab", model_dir=tmp_path), cfg.deploy_dir / "model_repo")
     assert (f"EXPERT_STATISTIC_ITER_RANGE=100-1100 EXPERT_STATISTIC_PATH="
             f"{cfg.workdir / 'expert-statistic'} tritonserver --model-repository") in text
 

@@ -30,6 +30,8 @@ from moepipe.errors import ConfigError
 from moepipe.targets import TARGETS as REGISTERED_TARGETS
 from moepipe.trtllm.versions import TRITON_TRTLLM_CONTAINER
 
+VERSION = "0123456789ab"  # the build version the pods serve (a fingerprint's 12 hex digits)
+
 SCHEMAS = Path(__file__).parents[1] / "data" / "crd-schemas"
 K8S_VERSIONS = ("1.29", "1.37")
 BIN = Path(sys.executable).parent
@@ -100,7 +102,7 @@ def render(tmp_path: Path, target: str = "cpu", **deploy) -> tuple[object, Path]
     cfg = make_cfg(tmp_path, target, **deploy)
     out = tmp_path / "deploy"
     out.mkdir()
-    render_operations(cfg, out)
+    render_operations(cfg, out, version=VERSION)
     return cfg, out
 
 

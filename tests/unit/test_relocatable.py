@@ -18,6 +18,7 @@ from moepipe.deploy.render.templates import check_repository
 from moepipe.errors import ConfigError
 
 SERVE_ROOT = "/models"
+VERSION = "0123456789ab"  # the build's
 
 
 def build(tmp_path, examples, target, **deploy):
@@ -29,7 +30,7 @@ def build(tmp_path, examples, target, **deploy):
     cfg = parse_config({"model": {"path": str(model)}, "target": target, "workdir": str(work),
                         "deploy": deploy}, "moepipe.yaml")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    render_deployment(cfg, Artifacts(model_dir=model, hf_serving_dir=model, vocab_size=vocab,
+    render_deployment(cfg, Artifacts(version="0123456789ab", model_dir=model, hf_serving_dir=model, vocab_size=vocab,
                                      checkpoint_dir=model))
     return cfg, cfg.deploy_dir
 
@@ -45,9 +46,9 @@ def parameters(deploy: Path, model: str) -> dict[str, str]:
     return {k: v.string_value for k, v in cfg.parameters.items()}
 
 
-def served(relative: str, model: str = "tensorrt_llm") -> str:
+def served(relative: str, model: str = "tensorrt_llm", deploy: str = "deploy") -> str:
     """Where a Python model of the served repository finds ``relative``."""
-    return str((Path(SERVE_ROOT) / "deploy" / "model_repo" / model / relative).resolve())
+    return str((Path(SERVE_ROOT) / deploy / "model_repo" / model / relative).resolve())
 
 
 @pytest.mark.parametrize("target", ["trtllm-engine", "trtllm-pytorch", "cpu"])
@@ -60,12 +61,22 @@ def test_rendered_files_name_serve_root_paths_and_no_build_machine_path(
     for model in ("preprocessing", "postprocessing"):
         assert served(parameters(deploy, model)["tokenizer_dir"], model) == \
             f"{SERVE_ROOT}/deploy/tokenizer"
-    k8s = [d for name, text in files.items() if name.startswith("k8s/")
+    k8s = [d for name, text in files.items() if name.startswith("k8s/") and name.endswith(".yaml")
            for d in yaml.safe_load_all(text) if d and d["kind"] == "Deployment"]
     pod = k8s[0]["spec"]["template"]["spec"]
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "workdir")
     assert mount == {"name": "workdir", "mountPath": SERVE_ROOT, "readOnly": True}
-    assert f"--model-repository={SERVE_ROOT}/deploy/model_repo" in pod["containers"][0]["command"]
+    # the pods serve their release's own copy of the repository, whose paths resolve from there
+    release = f"deploy/releases/{VERSION}"
+    assert f"--model-repository={SERVE_ROOT}/{release}/model_repo" in \
+        pod["containers"][0]["command"]
+    own = deploy / "releases" / VERSION
+    for model in ("preprocessing", "postprocessing"):
+        assert served(parameters(own, model)["tokenizer_dir"], model, release) == \
+            f"{SERVE_ROOT}/{release}/tokenizer"
+    if target == "cpu":
+        assert served(parameters(own, "tensorrt_llm")["checkpoint_dir"], deploy=release) == \
+            f"{SERVE_ROOT}/artifacts/source-0123"
     llm = parameters(deploy, "tensorrt_llm")
     if target == "trtllm-engine":
         assert llm["gpt_model_path"] == f"{SERVE_ROOT}/engine"  # where `moepipe build` puts it
@@ -93,7 +104,7 @@ def test_a_checkpoint_outside_the_workdir_cannot_be_served_elsewhere(tmp_path, e
     when the deployment is to be served from another root, kept as it is otherwise."""
     model = examples["tiny-mixtral"]
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    art = Artifacts(model_dir=model, vocab_size=vocab)
+    art = Artifacts(version="0123456789ab", model_dir=model, vocab_size=vocab)
     base = {"model": {"path": str(model)}, "target": "trtllm-pytorch",
             "workdir": str(tmp_path / "work")}
     with pytest.raises(ConfigError) as err:

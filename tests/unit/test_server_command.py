@@ -21,6 +21,8 @@ from moepipe.deploy.metric_names import exported, metrics_in
 from moepipe.deploy.render.targets import Artifacts
 from moepipe.targets import TARGETS
 
+VERSION = "0123456789ab"  # the build version the pods serve (a fingerprint's 12 hex digits)
+
 
 def make_cfg(tmp_path: Path, target: str, **parallel):
     data = {"model": {"example": "tiny-mixtral"}, "target": target,
@@ -34,8 +36,8 @@ def pod_args(tmp_path: Path, target: str) -> list[str]:
     cfg = make_cfg(tmp_path, target, **({} if TARGETS[target].gpu else {"tp": 1}))
     out = tmp_path / "deploy"
     out.mkdir(parents=True)
-    render_operations(cfg, out)
-    (deployment,) = yaml.safe_load_all((out / "k8s" / "deployment.yaml").read_text())
+    render_operations(cfg, out, version=VERSION)
+    (deployment,) = yaml.safe_load_all((out / "k8s" / "release" / "deployment.yaml").read_text())
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     shell, flag, script, name, *args = container["command"]
     return args
@@ -46,8 +48,8 @@ def rank_group_leader(tmp_path: Path, target: str) -> list[str]:
     cfg = make_cfg(tmp_path, target, tp=2)
     out = tmp_path / "deploy"
     out.mkdir(parents=True)
-    render_operations(cfg, out)
-    (cm,) = yaml.safe_load_all((out / "k8s" / "launch-configmap.yaml").read_text())
+    render_operations(cfg, out, version=VERSION)
+    (cm,) = yaml.safe_load_all((out / "k8s" / "release" / "launch-configmap.yaml").read_text())
     (line,) = [x for x in cm["data"]["leader.sh"].splitlines()
                if x.startswith("exec tritonserver ")]
     return shlex.split(line)[2:]
@@ -59,8 +61,8 @@ def leader_ranks(tmp_path: Path) -> list[list[str]]:
     cfg = make_cfg(tmp_path, "trtllm-engine", tp=8, pp=2)
     out = tmp_path / "deploy"
     out.mkdir(parents=True)
-    render_operations(cfg, out)
-    (cm,) = yaml.safe_load_all((out / "k8s" / "launch-configmap.yaml").read_text())
+    render_operations(cfg, out, version=VERSION)
+    (cm,) = yaml.safe_load_all((out / "k8s" / "release" / "launch-configmap.yaml").read_text())
     lines = cm["data"]["leader.sh"].splitlines()
     start = lines.index("set --")
     loop = "\n".join(lines[start:lines.index("done", start) + 1])
@@ -121,7 +123,7 @@ def commands(tmp_path: Path, monkeypatch, target: str) -> dict[str, tuple[list[s
         from moepipe.commands.deploy import _gpu_instructions
 
         cfg = make_cfg(tmp_path / "printed", target)
-        text = _gpu_instructions(cfg, Artifacts(model_dir=tmp_path), cfg.deploy_dir / "mr")
+        text = _gpu_instructions(cfg, Artifacts(version="0123456789ab", model_dir=tmp_path), cfg.deploy_dir / "mr")
         (line,) = [s for s in text.splitlines() if "in the container: tritonserver" in s]
         out["printed"] = (shlex.split(line.split("in the container: ", 1)[1])[1:], True)
     return out
@@ -179,7 +181,7 @@ def test_rules_and_dashboard_read_only_what_the_target_exports(tmp_path, target)
     cfg = make_cfg(tmp_path, target)
     out = tmp_path / "deploy"
     out.mkdir(parents=True)
-    render_operations(cfg, out)
+    render_operations(cfg, out, version=VERSION)
     names = exported(target)
     rules = yaml.safe_load((out / "monitoring" / RULES_FILE).read_text())["groups"][0]["rules"]
     available = set(names)

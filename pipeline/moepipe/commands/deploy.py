@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from moepipe.config import MoepipeConfig, load_config
+from moepipe.deploy.cluster import rollout
 from moepipe.deploy.local import lifecycle
+from moepipe.deploy.local.ranks import MANIFEST
 from moepipe.deploy.render.repository import Artifacts, render_deployment
-from moepipe.deploy.serve_paths import ServePaths
+from moepipe.deploy.serve_paths import RELEASES, ServePaths, release_dir
 from moepipe.deploy.tritonserver import ServerCommand
 from moepipe.errors import MoepipeError
 from moepipe.targets import get_target
@@ -67,7 +73,70 @@ def _gpu_instructions(cfg: MoepipeConfig, art: Artifacts, repo: Path) -> str:
                 window.start, window.stop, where).items()) + " "
         lines.append(f"  in the container: {env}{shlex.join(['tritonserver', *server.args()])}")
     lines.append("  then: moepipe validate --url HOST:PORT --grpc-url HOST:PORT")
+    lines += kubernetes_steps(cfg)
     return "\n".join(lines)
+
+
+class RolloutStopped(MoepipeError):
+    """The rollout stopped before its switch or while draining (not ready, validation failed,
+    the budget allowed nothing): the release that served keeps serving."""
+
+    exit_code = 1
+
+
+def kubernetes_steps(cfg: MoepipeConfig) -> list[str]:
+    """How the rendered Kubernetes folder is installed, and replaced blue/green."""
+    k8s = cfg.deploy_dir / "k8s"
+    return [f"  Kubernetes: a first install is `kubectl apply -k {k8s}`; a new version beside a "
+            f"running one: `moepipe deploy --rollout` (runs {k8s / rollout.SCRIPT}: the new "
+            "release comes up beside the serving one, its validate Job passes, the Service "
+            "moves to it, the old release drains one pod at a time)"]
+
+
+def run_rollout(cfg: MoepipeConfig, echo: Callable[[str], None],
+                rollback: bool = False) -> dict:
+    """Render the config's build and roll it out blue/green to the current kubectl context
+    (``k8s/rollout.sh``); ``rollback``: roll out the release before the one rendered last
+    again (its folder in ``<deploy>/releases``)."""
+    kubectl = os.environ.get("KUBECTL", "kubectl")
+    if shutil.which(kubectl) is None:
+        raise MoepipeError(f"--rollout runs kubectl, and {kubectl!r} is not on PATH",
+                           "install kubectl (or set KUBECTL) and select the cluster's context")
+    if rollback:
+        release = _previous_release(cfg)
+        script = release_dir(cfg, release) / "k8s" / rollout.SCRIPT
+    else:
+        lifecycle.refuse_served(repository_dir(cfg))  # before rendering over its files
+        art = artifacts(cfg)
+        render_deployment(cfg, art)
+        release, script = art.version, cfg.deploy_dir / "k8s" / rollout.SCRIPT
+    echo(f"deploy: rolling out release {release} with {script}")
+    # the script's steps go to stderr as they happen; a stop is its last line
+    proc = subprocess.run(["/bin/sh", str(script)], stdout=sys.stderr, stderr=subprocess.PIPE,
+                          text=True)
+    sys.stderr.write(proc.stderr)
+    if proc.returncode != 0:
+        last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or ["(no output)"]
+        raise RolloutStopped(f"the rollout of release {release} stopped: "
+                           f"{last[0].removeprefix('rollout: error: ')}",
+                           "the release that served before keeps its traffic; see the steps "
+                           "above")
+    return {"release": release, "rolled_out": True, "script": str(script)}
+
+
+def _previous_release(cfg: MoepipeConfig) -> str:
+    """The newest kept release other than the one the deploy folder holds now."""
+    from moepipe.utils.fs import read_json
+
+    manifest = cfg.deploy_dir / MANIFEST
+    current = read_json(manifest, "the deployment's manifest")["version"] \
+        if manifest.is_file() else None
+    kept = sorted((p for p in (cfg.deploy_dir / RELEASES).glob("*/k8s")
+                   if p.parent.name != current), key=lambda p: p.parent.stat().st_mtime)
+    if not kept:
+        raise MoepipeError(f"no earlier release is kept in {cfg.deploy_dir / RELEASES}",
+                           "deploy the earlier build's config with --rollout instead")
+    return kept[-1].parent.name
 
 
 def repository_dir(cfg: MoepipeConfig) -> Path:
@@ -76,12 +145,15 @@ def repository_dir(cfg: MoepipeConfig) -> Path:
 
 
 def run_deploy(cfg: MoepipeConfig, echo: Callable[[str], None] = print,
-               rollback: bool = False) -> dict:
+               rollback: bool = False, to_cluster: bool = False) -> dict:
     """Render and (cpu) start the deployment of the config's build. A running local
     deployment of the same model is updated in place (:mod:`moepipe.commands.update`);
-    ``rollback`` returns to the version the last update or deploy replaced."""
+    ``rollback`` returns to the version the last update or deploy replaced. ``to_cluster``:
+    roll it out blue/green to Kubernetes instead (:func:`run_rollout`)."""
     from moepipe.commands.update import previous_release, update_running
 
+    if to_cluster:
+        return run_rollout(cfg, echo, rollback)
     where = state_dir(cfg)
     current = lifecycle.status(where)
     target = get_target(cfg.target)

@@ -81,3 +81,21 @@ class ServePaths:
     def repository(self) -> str:
         """The served ``<deploy>/model_repo`` (the server's ``--model-repository``)."""
         return self.absolute(self.deploy_dir / "model_repo", "deploy.output")
+
+
+# Each release's own rendering, kept across deploys while pods may still serve it (the newest
+# KEEP_RELEASES; a Kubernetes rollout and its rollback need the old one's repository).
+RELEASES = "releases"
+KEEP_RELEASES = 3
+
+
+def release_dir(cfg: MoepipeConfig, version: str) -> Path:
+    """``<deploy>/releases/<version>``: version ``version``'s repository, tokenizer and
+    Kubernetes folder, as the pods of that release read them."""
+    return cfg.deploy_dir / RELEASES / version
+
+
+def release_config(cfg: MoepipeConfig, version: str) -> MoepipeConfig:
+    """``cfg`` rendering into :func:`release_dir` (its relative paths are computed from there)."""
+    deploy = cfg.deploy.model_copy(update={"output": release_dir(cfg, version).resolve()})
+    return cfg.model_copy(update={"deploy": deploy})

@@ -17,6 +17,14 @@ non-root read-only-root security context and writable volumes of
 by prometheus-adapter, whose rule ``monitoring/prometheus-adapter.yaml`` holds) and a
 PodDisruptionBudget.
 
+Each release (the build a workload serves) is its own workload ``<app>-<release[:8]>`` in
+``k8s/release/`` (with its launch ConfigMap, its own Service for the validate Job, and the
+group's headless Service), reading its own repository ``<deploy>/releases/<release>``; the
+stable objects in ``k8s/`` (the Service ``<app>`` selecting the serving release, the autoscaler
+on its workload, the budget over every release's pods, the rights) carry over from one release
+to the next. ``kubectl apply -k k8s`` installs a release at once; ``k8s/rollout.sh`` replaces a
+running one blue/green (:mod:`moepipe.deploy.cluster.rollout`).
+
 The PersistentVolumeClaim ``deploy.k8s.volume_claim`` holds the workdir and is mounted,
 read-only, at ``deploy.serve_root`` (default: the workdir's own path): the Python models find
 their files relative to the repository, and what a backend reads by absolute path (the engine)
@@ -59,6 +67,16 @@ PORT_NAMES = ("http", "grpc", "metrics")
 # in 1 MiB steps with the tensors in flight; python_backend README "Managing Shared Memory").
 SHM_PER_PYTHON_INSTANCE_MIB = 64
 SHM_MIN_MIB = 1024
+# The release's own objects: a kustomize folder inside k8s/ (the rollout applies it first).
+RELEASE_DIR = "release"
+RELEASE_CHARS = 8  # of the release (12 hex digits) in object names: <app>-<8> stays within 49
+
+
+def release_name(app: str, release: str) -> str:
+    """The name of release ``release``'s workload and Service: ``<app>-<release[:8]>``
+    (a LeaderWorkerSet's worker StatefulSets add ``-<group>``, and their revision label
+    11 more characters, within Kubernetes' 63)."""
+    return f"{app}-{release[:RELEASE_CHARS]}"
 
 
 @dataclass(frozen=True)
@@ -113,6 +131,7 @@ class PodPlan:
     """Everything a pod template needs, computed once from the config."""
 
     name: str
+    release: str  # the build version the pods serve (their repository's)
     image: str
     target: str
     serve_root: str  # where the workdir's volume is mounted (deploy.serve_root)
@@ -128,6 +147,11 @@ class PodPlan:
     rank_port: int = 0  # cpu target: where rank 0 listens for the other ranks
     env: tuple[tuple[str, str], ...] = ()  # the server's environment (its ranks inherit it)
     scratch: tuple[str, ...] = ()  # writable folders (emptyDir): the workdir is read-only
+
+    @property
+    def workload(self) -> str:
+        """The release's workload (Deployment or LeaderWorkerSet) and its own Service."""
+        return release_name(self.name, self.release)
 
 
 def _mi(mib: int) -> str:
@@ -210,17 +234,18 @@ def dump_all(docs: list[dict[str, Any]]) -> str:
 
 
 def deployment(plan: PodPlan, replicas: int) -> dict[str, Any]:
-    app = plan.name
+    app, rel = plan.name, plan.release
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(app, app),
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": meta(plan.workload, app, SERVER, rel),
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": selector(app, SERVER)},
+            "selector": {"matchLabels": selector(app, SERVER, rel)},
             # A new pod must be ready before an old one goes: capacity never drops.
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
-                "metadata": {"labels": labels(app, SERVER)},
+                "metadata": {"labels": labels(app, SERVER, rel)},
                 "spec": pod_spec(plan, [container(plan, "triton",
                                                   serve_command(plan.server.args()),
                                                   serving=True)]),
@@ -230,7 +255,7 @@ def deployment(plan: PodPlan, replicas: int) -> dict[str, Any]:
 
 
 def service(plan: PodPlan, *, selector: dict[str, str], headless: bool = False,
-            name: str | None = None) -> dict[str, Any]:
+            name: str | None = None, release: str | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "selector": selector,
         "ports": [{"name": n, "port": plan.ports[n], "targetPort": n, "protocol": "TCP"}
@@ -242,7 +267,7 @@ def service(plan: PodPlan, *, selector: dict[str, str], headless: bool = False,
     else:
         spec["type"] = "ClusterIP"
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": meta(name or plan.name, plan.name), "spec": spec}
+            "metadata": meta(name or plan.name, plan.name, SERVER, release), "spec": spec}
 
 
 def hpa(plan: PodPlan, kind: str, api_version: str, min_replicas: int, max_replicas: int,
@@ -254,7 +279,8 @@ def hpa(plan: PodPlan, kind: str, api_version: str, min_replicas: int, max_repli
         "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
         "metadata": meta(plan.name, plan.name),
         "spec": {
-            "scaleTargetRef": {"apiVersion": api_version, "kind": kind, "name": plan.name},
+            # the serving release's workload: the rollout moves it with the Service
+            "scaleTargetRef": {"apiVersion": api_version, "kind": kind, "name": plan.workload},
             "minReplicas": min_replicas, "maxReplicas": max_replicas,
             "metrics": [{"type": "Pods", "pods": {
                 "metric": {"name": metric},
@@ -376,9 +402,10 @@ def leader_script(plan: PodPlan, shape_: Shape) -> str:
 
 
 def leader_worker_set(plan: PodPlan, shape_: Shape, replicas: int) -> dict[str, Any]:
-    app = plan.name
+    app, rel = plan.name, plan.release
     cpu = not get_target(plan.target).mpi_ranks  # moepipe's rank group, not an MPI job
-    scripts = {"name": "scripts", "configMap": {"name": f"{app}-launch", "defaultMode": 0o555}}
+    scripts = {"name": "scripts", "configMap": {"name": f"{plan.workload}-launch",
+                                                "defaultMode": 0o555}}
     env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
 
     def template(role: str, command: list[str], serving: bool) -> dict[str, Any]:
@@ -391,7 +418,7 @@ def leader_worker_set(plan: PodPlan, shape_: Shape, replicas: int) -> dict[str, 
             (pod_security.leader_account if leader else pod_security.worker_account)(app)
         spec = pod_spec(plan, [c], service_account=account, api_access=leader)
         spec["volumes"].append(scripts)
-        return {"metadata": {"labels": labels(app, SERVER if role == "leader" else WORKER)},
+        return {"metadata": {"labels": labels(app, SERVER if role == "leader" else WORKER, rel)},
                 "spec": spec}
 
     # Workers wait; the leader's mpirun starts their ranks in them (GPU), or each runs its
@@ -400,7 +427,8 @@ def leader_worker_set(plan: PodPlan, shape_: Shape, replicas: int) -> dict[str, 
         ["/bin/sh", "-c", "exec sleep infinity"]
 
     return {
-        "apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": meta(app, app),
+        "apiVersion": LWS_API, "kind": "LeaderWorkerSet",
+        "metadata": meta(plan.workload, app, SERVER, rel),
         "spec": {
             "replicas": replicas,
             "startupPolicy": "LeaderCreated",
@@ -424,34 +452,40 @@ def launch_config_map(plan: PodPlan, shape_: Shape) -> dict[str, Any]:
     data = cpu_scripts(plan, shape_) if not get_target(plan.target).mpi_ranks else \
         {"leader.sh": leader_script(plan, shape_), "kubessh": KUBESSH}
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": meta(f"{plan.name}-launch", plan.name), "data": data}
+            "metadata": meta(f"{plan.workload}-launch", plan.name, SERVER, plan.release),
+            "data": data}
 
 
 def objects(plan: PodPlan, shape_: Shape, *, min_replicas: int, max_replicas: int,
             metric: str, target: str) -> dict[str, list[dict[str, Any]]]:
-    """file name -> the objects it holds."""
-    app = plan.name
-    leaders = selector(app, SERVER)
+    """file name (``release/...``: the release's own) -> the objects it holds."""
+    app, rel = plan.name, plan.release
+    serving = selector(app, SERVER, rel)  # the release's serving pods (a group's leaders)
+    own = service(plan, selector=serving, name=plan.workload, release=rel)
+    r = f"{RELEASE_DIR}/"
     if not shape_.multi_node:
-        return {
-            "deployment.yaml": [deployment(plan, min_replicas)],
-            "service.yaml": [service(plan, selector=leaders)],
-            "hpa.yaml": [hpa(plan, "Deployment", "apps/v1", min_replicas, max_replicas,
-                             metric, target)],
-            "pdb.yaml": [pdb(plan, selector(app))],
+        release: dict[str, list[dict[str, Any]]] = {
+            r + "deployment.yaml": [deployment(plan, min_replicas)], r + "service.yaml": [own]}
+        kind, api = "Deployment", "apps/v1"
+    else:
+        release = {
+            r + "leaderworkerset.yaml": [leader_worker_set(plan, shape_, min_replicas)],
+            r + "launch-configmap.yaml": [launch_config_map(plan, shape_)],
+            # the headless Service gives every pod of a group a DNS name
+            r + "service.yaml": [own, service(plan, selector=selector(app, release=rel),
+                                              headless=True, name=f"{plan.workload}-group",
+                                              release=rel)],
         }
+        kind, api = "LeaderWorkerSet", LWS_API
     return {
-        "leaderworkerset.yaml": [leader_worker_set(plan, shape_, min_replicas)],
-        "launch-configmap.yaml": [launch_config_map(plan, shape_)],
-        **({"rbac.yaml": pod_security.rbac(app, meta)} if get_target(plan.target).mpi_ranks
-           else {}),
-        # The leaders serve; the headless Service gives every pod of a group a DNS name.
-        "service.yaml": [service(plan, selector=leaders),
-                         service(plan, selector=selector(app), headless=True,
-                                 name=f"{app}-group")],
-        "hpa.yaml": [hpa(plan, "LeaderWorkerSet", LWS_API, min_replicas, max_replicas,
-                         metric, target)],
-        # Evicting any pod of a group restarts the group: at most one pod at a time.
+        **release,
+        **({"rbac.yaml": pod_security.rbac(app, meta)}
+           if shape_.multi_node and get_target(plan.target).mpi_ranks else {}),
+        # The stable objects: the Service on the serving release (the rollout's switch), the
+        # autoscaler on its workload, and the budget over every release's pods (evicting any
+        # pod of a group restarts the group: at most one pod at a time).
+        "service.yaml": [service(plan, selector=serving)],
+        "hpa.yaml": [hpa(plan, kind, api, min_replicas, max_replicas, metric, target)],
         "pdb.yaml": [pdb(plan, selector(app))],
     }
 
@@ -472,16 +506,22 @@ def kustomization(files: list[str], namespace: str | None, image: str) -> dict[s
 
 def write(out: Path, plan: PodPlan, shape_: Shape, *, namespace: str | None,
           min_replicas: int, max_replicas: int, metric: str, target: str) -> list[Path]:
-    """Write the kustomize folder ``out`` (which must exist and be empty)."""
+    """Write the kustomize folder ``out`` (which must exist and be empty) and its release
+    folder ``out/release``."""
     files = objects(plan, shape_, min_replicas=min_replicas, max_replicas=max_replicas,
                     metric=metric, target=target)
+    (out / RELEASE_DIR).mkdir()
     written = []
     for fname, docs in files.items():
         (out / fname).write_text(dump_all(docs))
         written.append(out / fname)
-    (out / "kustomization.yaml").write_text(
-        yaml.safe_dump(kustomization(sorted(files), namespace, plan.image), sort_keys=False))
-    return [*written, out / "kustomization.yaml"]
+    own = sorted(f.split("/", 1)[1] for f in files if f.startswith(f"{RELEASE_DIR}/"))
+    top = sorted(f for f in files if "/" not in f)
+    for folder, resources in ((out / RELEASE_DIR, own), (out, [RELEASE_DIR, *top])):
+        (folder / "kustomization.yaml").write_text(
+            yaml.safe_dump(kustomization(resources, namespace, plan.image), sort_keys=False))
+        written.append(folder / "kustomization.yaml")
+    return written
 
 
 def write_operator(out: Path, plan: PodPlan, rules: dict[str, Any], job: str) -> list[Path]:

@@ -37,9 +37,9 @@ from pathlib import Path
 
 from moepipe import __version__
 from moepipe.config import MoepipeConfig
-from moepipe.deploy.cluster import grafana, k8s, monitoring
+from moepipe.deploy.cluster import grafana, k8s, monitoring, rollout
 from moepipe.deploy.metric_names import exported
-from moepipe.deploy.serve_paths import ServePaths
+from moepipe.deploy.serve_paths import ServePaths, release_config
 from moepipe.deploy.tritonserver import ServerCommand
 from moepipe.errors import CheckpointError
 from moepipe.sizing.pods import pod_memory_mib
@@ -86,7 +86,9 @@ def python_instances(cfg: MoepipeConfig) -> int:
     return 3 * cfg.deploy.instance_count + get_target(cfg.target).python_model
 
 
-def plan(cfg: MoepipeConfig) -> tuple[k8s.PodPlan, k8s.Shape]:
+def plan(cfg: MoepipeConfig, version: str) -> tuple[k8s.PodPlan, k8s.Shape]:
+    """The pods of release ``version`` (the build they serve: they read its repository,
+    ``<deploy>/releases/<version>``)."""
     kc, d = cfg.deploy.k8s, cfg.deploy
     world = cfg.parallel.to_mapping().world_size
     shape = k8s.shape(cfg.target, world, kc.gpus_per_node)
@@ -96,13 +98,14 @@ def plan(cfg: MoepipeConfig) -> tuple[k8s.PodPlan, k8s.Shape]:
     env = {} if window is None else environment(window.start, window.stop,
                                                 k8s.EXPERT_STATISTIC_DIR)
     paths = ServePaths.of(cfg)
+    own = ServePaths.of(release_config(cfg, version))
     return k8s.PodPlan(
-        name=k8s.check_name(kc.name, "deploy.k8s.name"),
+        name=k8s.check_name(kc.name, "deploy.k8s.name"), release=version,
         image=kc.image or default_image(cfg.target), target=cfg.target,
         serve_root=str(paths.serve_root),
         # the kubelet probes the pod IP and the Service forwards to it: the pod network is
         # the boundary
-        server=ServerCommand.of(cfg, Path(paths.repository()), host="0.0.0.0"),
+        server=ServerCommand.of(cfg, Path(own.repository()), host="0.0.0.0"),
         ports={"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port},
         gpus=shape.gpus_per_pod, cpu=f"{kc.cpus:g}", memory_mib=memory,
         shm_mib=k8s.shm_mib(python_instances(cfg)), volume_claim=kc.volume_claim,
@@ -110,16 +113,19 @@ def plan(cfg: MoepipeConfig) -> tuple[k8s.PodPlan, k8s.Shape]:
         env=tuple(env.items()), scratch=(k8s.EXPERT_STATISTIC_DIR,) if env else ()), shape
 
 
-def render_operations(cfg: MoepipeConfig, out: Path) -> list[Path]:
-    """Write ``out/k8s`` and ``out/monitoring``; ``out`` is the deployment folder being
-    written (the caller renames it into place when complete)."""
-    pod, shape = plan(cfg)
+def render_operations(cfg: MoepipeConfig, out: Path, *, version: str,
+                      model_dir: Path | None = None) -> list[Path]:
+    """Write ``out/k8s`` (release ``version``, the build served; ``model_dir``: its source
+    model, the validate Job's reference) and ``out/monitoring``; ``out`` is the deployment
+    folder being written (the caller renames it into place when complete)."""
+    pod, shape = plan(cfg, version)
     kc, mc = cfg.deploy.k8s, cfg.deploy.monitoring
     hpa_metric = monitoring.HPA_NAMES[kc.autoscale_metric]
     (out / "k8s").mkdir(parents=True)
     written = k8s.write(out / "k8s", pod, shape, namespace=kc.namespace,
                         min_replicas=kc.min_replicas, max_replicas=kc.max_replicas,
                         metric=hpa_metric, target=f"{kc.autoscale_target:g}")
+    written += rollout.write(out / "k8s", cfg, pod, shape, model_dir=model_dir)
     mon = out / "monitoring"
     mon.mkdir()
     uid = grafana.dashboard_uid(pod.name)

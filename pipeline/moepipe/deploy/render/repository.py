@@ -8,6 +8,7 @@ config; the folder is written to a temporary sibling and renamed into place when
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from moepipe.deploy.render.fallback import bls_values, render_fallback
 from moepipe.deploy.render.targets import SHIPPED, Artifacts, values_of
 from moepipe.deploy.render.targets.base import LOGITS_DATATYPES, flag
 from moepipe.deploy.render.templates import check_repository, render_tree, templates_root
-from moepipe.deploy.serve_paths import ServePaths
+from moepipe.deploy.serve_paths import KEEP_RELEASES, RELEASES, ServePaths, release_config
 from moepipe.errors import MoepipeError
 from moepipe.serving import core
 from moepipe.utils.fs import atomic_dir
@@ -101,39 +102,74 @@ def deployment_values(cfg: MoepipeConfig, art: Artifacts) -> dict[str, str]:
     return values
 
 
+def _render_repository(cfg: MoepipeConfig, art: Artifacts, tmp: Path,
+                       fallback: tuple[MoepipeConfig, Artifacts] | None) -> tuple[dict, dict]:
+    """Write ``cfg``'s repository, tokenizer and launch files into ``tmp`` (which becomes
+    ``cfg.deploy_dir``); returns (the template values, model -> config)."""
+    values = deployment_values(cfg, art)
+    paths = ServePaths.of(cfg)
+    copy_tokenizer(art.model_dir, tmp / "tokenizer")
+    root = templates_root()
+    render_tree([root / "common", root / "targets" / cfg.target], values, tmp)
+    ship_modules(SHIPPED.get(cfg.target, {}), tmp)
+    repo = tmp / "model_repo"
+    if fallback is not None:
+        fb_cfg, fb_art = fallback
+        render_fallback(cfg, art, fb_cfg, fb_art,
+                        common_values(fb_cfg, values["tokenizer_dir"], fb_art.vocab_size),
+                        repo, paths)
+    for model in repo.iterdir():
+        (model / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even empty
+    ship_serving_core(repo)
+    configs = check_repository(repo)
+    missing = {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing",
+               "tensorrt_llm_bls"} - configs.keys()
+    if missing:
+        raise MoepipeError(f"rendered repository lacks {', '.join(sorted(missing))}")
+    return values, configs
+
+
+def _keep_releases(old: Path, new: Path, current: str) -> None:
+    """Carry the newest earlier releases' folders (``old``: ``<deploy>/releases`` as it is)
+    into ``new`` (the one being written), as hard links: their pods may still read them, and a
+    rollback rolls out one of them again."""
+    if not old.is_dir():
+        return
+    earlier = sorted((p for p in old.iterdir() if p.is_dir() and p.name != current),
+                     key=lambda p: p.stat().st_mtime, reverse=True)
+    for folder in earlier[:KEEP_RELEASES - 1]:
+        shutil.copytree(folder, new / folder.name, symlinks=True, copy_function=_link)
+
+
+def _link(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links refused: copy
+        shutil.copy2(src, dst)
+
+
 def render_deployment(cfg: MoepipeConfig, art: Artifacts, overwrite: bool = True,
                       fallback: tuple[MoepipeConfig, Artifacts] | None = None) -> Path:
     """Write ``cfg.deploy_dir`` for ``cfg.target``; returns the model repository path.
     ``fallback``: the ``deploy.fallback`` pipeline's config and build (see
-    :mod:`moepipe.deploy.render.fallback`)."""
-    target = cfg.target
-    values = deployment_values(cfg, art)
-    paths = ServePaths.of(cfg)
-    tokenizer = values["tokenizer_dir"]
+    :mod:`moepipe.deploy.render.fallback`). ``releases/<version>`` holds the same
+    repository again as the Kubernetes pods of that version read it, beside the folders of
+    the newest earlier versions (:mod:`moepipe.deploy.cluster.rollout`)."""
+    if not art.version:
+        raise MoepipeError("the build to deploy has no version", "run `moepipe build` first")
     out = cfg.deploy_dir
     out.parent.mkdir(parents=True, exist_ok=True)
-    root = templates_root()
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        copy_tokenizer(art.model_dir, tmp / "tokenizer")
-        render_tree([root / "common", root / "targets" / target], values, tmp)
-        ship_modules(SHIPPED.get(target, {}), tmp)
-        repo = tmp / "model_repo"
-        if fallback is not None:
-            fb_cfg, fb_art = fallback
-            render_fallback(cfg, art, fb_cfg, fb_art,
-                            common_values(fb_cfg, tokenizer, fb_art.vocab_size), repo, paths)
-        for model in repo.iterdir():
-            (model / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even empty
-        ship_serving_core(repo)
-        configs = check_repository(repo)
-        missing = {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing",
-                   "tensorrt_llm_bls"} - configs.keys()
-        if missing:
-            raise MoepipeError(f"rendered repository lacks {', '.join(sorted(missing))}")
-        render_operations(cfg, tmp)
+        values, configs = _render_repository(cfg, art, tmp, fallback)
+        own = tmp / RELEASES / art.version
+        own.mkdir(parents=True)
+        _render_repository(release_config(cfg, art.version), art, own, fallback)
+        render_operations(cfg, tmp, version=art.version, model_dir=art.model_dir)
+        shutil.copytree(tmp / "k8s", own / "k8s")  # the rollout of this release, to go back
+        _keep_releases(out / RELEASES, tmp / RELEASES, art.version)
         loadtest.write(tmp / "locust", cfg)  # a load test in the users' own tool
         (tmp / MANIFEST).write_text(json.dumps(
-            {"target": target, "moepipe": __version__, "values": values,
+            {"target": cfg.target, "moepipe": __version__, "values": values,
              "version": art.version, "models": sorted(configs)}, indent=2,
             sort_keys=True) + "\n")
     return out / "model_repo"
