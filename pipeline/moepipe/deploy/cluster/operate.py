@@ -8,6 +8,11 @@ image                           ``deploy.k8s.image``; else GPU targets: the Trit
                                 ``docker/versions.env``; cpu: ``moepipe-trtllm:<version>``
                                 (``docker/Dockerfile`` on that image: the cpu model imports
                                 moepipe)
+release                         the build version served (``moepipe status``'s): the
+                                workload ``<name>-<release[:8]>`` reads
+                                ``<deploy>/releases/<release>/model_repo``
+validate Job                    the config's smoke / accuracy against the release's Service,
+                                in ``moepipe-trtllm:<version>`` (:mod:`.rollout`)
 world size, nodes, GPUs/pod     ``parallel`` (tp x pp) over ``deploy.k8s.gpus_per_node``
 memory per pod                  ``deploy.k8s.memory_gib``, else the sizing model's
                                 (:func:`pod_memory`, ``moepipe.sizing.pods``)
