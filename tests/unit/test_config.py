@@ -193,3 +193,31 @@ def test_right_numbers_still_pass():
                         "deploy": {"k8s": {"cpus": 2}, "ready_timeout_s": 30}})
     assert cfg.validation.perf.concurrency == [1, 2] and cfg.validation.perf.rates == [1, 2.5]
     assert cfg.deploy.k8s.cpus == 2.0 and cfg.deploy.ready_timeout_s == 30.0
+
+
+def test_every_key_keeps_its_description_and_choices():
+    """The editor's hover text is the field description; its completions are the choices."""
+    from moepipe.commands.init import config_schema
+
+    schema = config_schema()
+
+    def node(key):
+        here = schema
+        for part in key.split("."):
+            here = here["properties"][part]
+            while "$ref" in here or "anyOf" in here:
+                ref = here.get("$ref") or next((a["$ref"] for a in here.get("anyOf", [])
+                                                if "$ref" in a), None)
+                if ref is None:
+                    break
+                here = schema["$defs"][ref.rsplit("/", 1)[1]]
+        return here
+
+    for key, field in _fields():
+        if field.description and not key.startswith("deploy.fallback"):
+            parent = node(key.rsplit(".", 1)[0]) if "." in key else schema
+            prop = parent["properties"][key.rsplit(".", 1)[-1]]
+            assert prop.get("description") == field.description, key
+    assert node("target")["enum"] == ["cpu", "trtllm-engine", "trtllm-pytorch"]
+    example = schema["$defs"]["ModelSection"]["properties"]["example"]["anyOf"][0]["enum"]
+    assert "tiny-mixtral-trained" in example

@@ -52,34 +52,6 @@ def test_the_schema_refuses_what_the_model_refuses(data, where):
         [(list(e.absolute_path), e.message) for e in errors]
 
 
-def test_every_key_keeps_its_description_and_choices():
-    """The editor's hover text is the field description; its completions are the choices."""
-    from test_config import _fields
-
-    schema = config_schema()
-
-    def node(key):
-        here = schema
-        for part in key.split("."):
-            here = here["properties"][part]
-            while "$ref" in here or "anyOf" in here:
-                ref = here.get("$ref") or next((a["$ref"] for a in here.get("anyOf", [])
-                                                if "$ref" in a), None)
-                if ref is None:
-                    break
-                here = schema["$defs"][ref.rsplit("/", 1)[1]]
-        return here
-
-    for key, field in _fields():
-        if field.description and not key.startswith("deploy.fallback"):
-            parent = node(key.rsplit(".", 1)[0]) if "." in key else schema
-            prop = parent["properties"][key.rsplit(".", 1)[-1]]
-            assert prop.get("description") == field.description, key
-    assert node("target")["enum"] == ["cpu", "trtllm-engine", "trtllm-pytorch"]
-    example = schema["$defs"]["ModelSection"]["properties"]["example"]["anyOf"][0]["enum"]
-    assert "tiny-mixtral-trained" in example
-
-
 def test_schema_command_and_init_write_the_same_schema(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as done:
