@@ -243,7 +243,7 @@ def project(work: Path, example: str):
     data = {"model": {"example": example}, "target": "trtllm-pytorch", "workdir": str(work)}
     work.mkdir(parents=True, exist_ok=True)
     (work / "moepipe.yaml").write_text(yaml.safe_dump(data))
-    return parse_config(data, "moepipe.yaml")
+    return parse_config(data, "moepipe.yaml").resolve_paths(work)
 
 
 def _cli(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
@@ -251,14 +251,17 @@ def _cli(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
                           text=True, cwd=cwd, env={**os.environ, **env}, timeout=300)
 
 
-def test_moepipe_deploy_rollout_runs_the_release_and_a_stop_is_one_line(tmp_path):
+def test_moepipe_deploy_rollout_runs_the_release_and_a_stop_is_one_line(tmp_path, monkeypatch):
     """`moepipe deploy --rollout` on a built trtllm-pytorch config: without kubectl it stops
     before writing anything; with it the rendered release is rolled out (a failed validation is
     one line and a non-zero exit, the serving release untouched); after a second build's
     rollout, `--rollback` rolls the first out again with its own kept script."""
+    from moepipe.commands.build import run_build
+    from moepipe.commands.deploy import run_deploy
+
     work = tmp_path / "work"
     cfg = project(work, "tiny-mixtral")
-    assert _cli(["-q", "build"], work).returncode == 0
+    run_build(work / "moepipe.yaml", echo=lambda s: None)
     missing = _cli(["deploy", "--rollout"], work, KUBECTL=str(tmp_path / "no-kubectl"))
     assert missing.returncode != 0
     assert missing.stderr.strip().count("\n") == 0 and "not on PATH" in missing.stderr
@@ -283,20 +286,21 @@ def test_moepipe_deploy_rollout_runs_the_release_and_a_stop_is_one_line(tmp_path
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"release": first, "rolled_out": True,
                                        "script": str(cfg.deploy_dir / "k8s" / "rollout.sh")}
+    assert "rollout: 4/5 switch" in done.stderr  # the steps as they happen, on stderr
     st = json.loads(state.read_text())
     assert st["serving"] == first
     assert list(st["workloads"]) == [f"deployment/moepipe-{first[:8]}"]
 
-    # a second build (another model), rolled out; then back to the first
-    project(work, "tiny-qwen2-moe")
-    assert _cli(["-q", "build"], work).returncode == 0
-    second = _cli(["deploy", "--rollout", "--json"], work, **env)
-    assert second.returncode == 0, second.stderr
-    version = json.loads(second.stdout)["release"]
+    # a second build (another model), rolled out; then back to the first (in this process)
+    second_cfg = project(work, "tiny-qwen2-moe")
+    run_build(work / "moepipe.yaml", echo=lambda s: None)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    version = run_deploy(second_cfg, echo=lambda s: None, to_cluster=True)["release"]
     assert version != first and json.loads(state.read_text())["serving"] == version
-    back = _cli(["deploy", "--rollout", "--rollback"], work, **env)
-    assert back.returncode == 0, back.stderr
-    assert f"rolling out release {first}" in back.stdout
+    said: list[str] = []
+    back = run_deploy(second_cfg, echo=said.append, to_cluster=True, rollback=True)
+    assert back["release"] == first and f"rolling out release {first}" in said[0]
     st = json.loads(state.read_text())
     assert st["serving"] == first
     assert list(st["workloads"]) == [f"deployment/moepipe-{first[:8]}"]

@@ -111,12 +111,18 @@ def run_rollout(cfg: MoepipeConfig, echo: Callable[[str], None],
         render_deployment(cfg, art)
         release, script = art.version, cfg.deploy_dir / "k8s" / rollout.SCRIPT
     echo(f"deploy: rolling out release {release} with {script}")
-    # the script's steps go to stderr as they happen; a stop is its last line
-    proc = subprocess.run(["/bin/sh", str(script)], stdout=sys.stderr, stderr=subprocess.PIPE,
-                          text=True)
-    sys.stderr.write(proc.stderr)
+    # the script's steps (and kubectl's lines) go to stderr as they happen; a stop is the last
+    with subprocess.Popen(["/bin/sh", str(script)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if line.strip():
+                lines.append(line.rstrip("\n"))
     if proc.returncode != 0:
-        last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or ["(no output)"]
+        last = lines[-1:] or ["(no output)"]
         raise RolloutStopped(f"the rollout of release {release} stopped: "
                            f"{last[0].removeprefix('rollout: error: ')}",
                            "the release that served before keeps its traffic; see the steps "
