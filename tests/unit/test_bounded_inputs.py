@@ -333,3 +333,22 @@ def test_validate_client_bounds_what_a_server_answers(server):
         generate(base, "ensemble", {"text_input": "hi"}, timeout=20)
     with pytest.raises(ClientError, match="a line of more than 1 MiB in its event stream"):
         generate_stream(base, "ensemble", {"text_input": "hi"}, timeout=20)
+
+
+def test_the_drain_reads_a_metrics_page_within_its_limit(server, monkeypatch):
+    """`moepipe stop`'s drain watches the server's metrics page: bounded like every other
+    read of it (a page past the limit is no answer, not a growing buffer)."""
+    from moepipe.deploy.local import drain
+    from moepipe.deploy.local.state import ServerState
+
+    def state(url):
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        return ServerState(pid=0, host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=port,
+                           repository="", log="", binary="", started=0.0)
+
+    page = b"nv_inference_pending_request_count{model=\"a\"} 2\n" \
+           b"nv_inference_pending_request_count{model=\"b\"} 3\n"
+    assert drain.metrics(state(server(sends(http(page))))) == {
+        "nv_inference_pending_request_count": 5.0}
+    monkeypatch.setattr(drain, "METRICS_LIMIT", 64)
+    assert drain.metrics(state(server(sends(http(page))))) is None

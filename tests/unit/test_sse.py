@@ -142,3 +142,24 @@ def test_error_text_of_a_refused_request():
         "Exceeds maximum queue size"
     assert http1.error_text(b'data: {"error": "bad max_tokens"}\n\n') == "bad max_tokens"
     assert http1.error_text(b"<html>502</html>") == "<html>502</html>"
+
+
+def test_an_endless_line_or_event_is_refused_not_buffered():
+    """A stream that never ends its line (or its event) stops the reader at the bound: its
+    memory does not grow with the stream."""
+    from moepipe.utils.sse import EventTooLarge
+
+    parser = SSEParser(max_event_bytes=1000)
+    parser.feed(b"data: " + b"x" * 900)
+    with pytest.raises(EventTooLarge, match="line of over 1000 bytes"):
+        for _ in range(10):
+            parser.feed(b"x" * 100)
+    parser = SSEParser(max_event_bytes=1000)
+    with pytest.raises(EventTooLarge, match="event of over 1000 bytes"):
+        for _ in range(20):
+            parser.feed(b"data: " + b"y" * 90 + b"\n")
+    # events under the bound, one after another, are fine however long the stream
+    parser = SSEParser(max_event_bytes=1000)
+    for _ in range(100):
+        (event,) = parser.feed(b"data: " + b"z" * 900 + b"\n\n")
+        assert len(event.data) == 900

@@ -17,6 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _BOM = b"\xef\xbb\xbf"
+# An event (its unfinished line, or its data lines so far) larger than this is refused: a
+# stream that never ends its line must not grow the reader's memory without bound. Triton's
+# generate_stream events are far smaller (logits included: ~1.5 MiB for 150k floats).
+MAX_EVENT_BYTES = 64 << 20
+
+
+class EventTooLarge(ValueError):
+    """An event, or a line, larger than the parser's bound."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,9 @@ class Event:
 class SSEParser:
     """Feed bytes with :meth:`feed`, get the events they complete; :meth:`close` at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self._max = max_event_bytes
+        self._size = 0  # bytes of the current event's data lines
         self._pending = b""  # bytes of an unfinished line
         self._started = False  # the BOM check happens once, on the first three bytes
         self._data: list[str] = []
@@ -73,6 +83,8 @@ class SSEParser:
                 events.append(event)
             start = nxt
         self._pending = buf[start:]
+        if len(self._pending) > self._max:
+            raise EventTooLarge(f"a line of over {self._max} bytes without its end")
         return events
 
     def close(self) -> list[Event]:
@@ -81,7 +93,7 @@ class SSEParser:
         events = []
         if self._pending.endswith(b"\r"):
             events = self.feed(b"\n")
-        self._pending, self._data, self._event = b"", [], ""
+        self._pending, self._data, self._event, self._size = b"", [], "", 0
         return events
 
     def _line(self, line: str) -> Event | None:
@@ -93,6 +105,9 @@ class SSEParser:
         if colon and value.startswith(" "):
             value = value[1:]
         if name == "data":
+            self._size += len(value) + 1
+            if self._size > self._max:
+                raise EventTooLarge(f"an event of over {self._max} bytes")
             self._data.append(value)
         elif name == "event":
             self._event = value
@@ -105,7 +120,7 @@ class SSEParser:
 
     def _dispatch(self) -> Event | None:
         data, kind = self._data, self._event
-        self._data, self._event = [], ""
+        self._data, self._event, self._size = [], "", 0
         if not data:
             return None
         return Event("\n".join(data), kind or "message", self._last_id, self._retry)

@@ -14,7 +14,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from moepipe.utils.sse import SSEParser
+from moepipe.utils.sse import EventTooLarge, SSEParser
 
 _PIECE = 64 << 10
 
@@ -90,11 +90,14 @@ async def json_events(reader: asyncio.StreamReader,
     """The body's server-sent events, each one's data a JSON object (Triton's
     ``generate_stream``), as the events complete."""
     parser = SSEParser()
-    async for piece in body(reader, headers):
-        for event in parser.feed(piece):
+    try:
+        async for piece in body(reader, headers):
+            for event in parser.feed(piece):
+                yield _json_object(event.data)
+        for event in parser.close():
             yield _json_object(event.data)
-    for event in parser.close():
-        yield _json_object(event.data)
+    except EventTooLarge as e:  # the reader's memory stays bounded: the request fails
+        raise ProtocolError(str(e)) from None
 
 
 def _json_object(data: str) -> dict[str, Any]:

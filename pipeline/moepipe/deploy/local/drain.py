@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from moepipe.deploy.local.state import ServerState
+from moepipe.deploy.metric_names import METRICS_LIMIT
+from moepipe.utils.bounded import ReadError, fetch_url
 
 # In-flight requests with no visible progress for this long are hung: stop without waiting.
 NO_PROGRESS_S = 2.0
@@ -29,10 +29,10 @@ _METRIC = re.compile(r"^(\w+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
 
 def metrics(state: ServerState) -> dict[str, float] | None:
     """The server's metrics, summed over labels (None: not reachable)."""
-    try:
-        with urllib.request.urlopen(f"http://{state.metrics}/metrics", timeout=1) as r:
-            text = r.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError):
+    try:  # bounded in size and time: a page past the limit is no answer
+        text = fetch_url(f"http://{state.metrics}/metrics", METRICS_LIMIT, 1.0,
+                         "metrics page").decode(errors="replace")
+    except (ReadError, OSError):
         return None
     sums: dict[str, float] = {}
     for line in text.splitlines():
