@@ -79,3 +79,28 @@ def test_a_black_holed_endpoint_fails_the_preflight_within_its_budget():
     assert [(c.name, c.status) for c in job.cases] == [("http_ready", "error")]
     assert "timed out" in job.cases[0].message
     assert took < 60  # not validate.timeout_s (120 s); the budget is 1 s
+
+
+def test_validate_from_a_workdir_that_built_nothing_hashes_no_model(tmp_path, monkeypatch):
+    """A workdir that only validates (a rollout's validate Job: model.path on a mounted volume)
+    reports the version the endpoint says, or none: it does not fingerprint the model folder,
+    which would read every byte of a large checkpoint."""
+    from moepipe.checkpoints import hashcache
+    from moepipe.commands.validate import run_validate
+    from moepipe.config import parse_config
+    from moepipe.errors import MoepipeError
+
+    def hashed(path):
+        raise AssertionError(f"hashed {path}")
+
+    monkeypatch.setattr(hashcache, "cached_digest", hashed)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    nowhere = "127.0.0.1:9"  # the discard port: nothing listens
+    cfg = parse_config({"model": {"path": str(model)}, "workdir": str(tmp_path / "job"),
+                        "validate": {"url": nowhere, "grpc_url": nowhere,
+                                     "metrics_url": nowhere, "timeout_s": 2}})
+    with pytest.raises(MoepipeError, match="127.0.0.1:9"):
+        run_validate(cfg, echo=lambda s: None)

@@ -33,7 +33,7 @@ def endpoint_for(cfg: MoepipeConfig, url: str | None, grpc_url: str | None) -> E
 def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | None = None,
                  jobs: list[str] | None = None,
                  echo: Callable[[str], None] = print) -> tuple[Report, tuple]:
-    from moepipe.commands.build import model_dir, outputs, served_version
+    from moepipe.commands.build import MANIFEST, model_dir, outputs, served_version
     from moepipe.deploy.local.state import state_dir
     from moepipe.errors import MoepipeError
 
@@ -46,13 +46,16 @@ def run_validate(cfg: MoepipeConfig, url: str | None = None, grpc_url: str | Non
         checkpoint = outputs(cfg).get("convert")
     except MoepipeError:
         checkpoint = None
-    try:
-        built = served_version(cfg)
-    except MoepipeError:
-        built = None
+    version = serving_version(ep)
+    # else the version this workdir built, where it built one (fingerprinting a model folder
+    # hashes its files: not for a workdir that only validates, such as a rollout's Job)
+    if version is None and (cfg.workdir / MANIFEST).is_file():
+        try:
+            version = served_version(cfg)
+        except MoepipeError:
+            version = None
     ctx = JobContext(ep, cfg, source, checkpoint, state_dir(cfg.workdir))
-    report = run_jobs(ctx, list(jobs or cfg.validation.jobs), echo,
-                      version=serving_version(ep) or built)
+    report = run_jobs(ctx, list(jobs or cfg.validation.jobs), echo, version=version)
     paths = report.write(cfg.workdir / "reports")
     if not report.reachable:
         raise down(report.jobs[0], ep, str(paths[1]))
