@@ -100,8 +100,8 @@ elif verb == "get":
         out = str(st["workloads"][what]["replicas"])
     elif what == "job":
         out = "True/" if st["job_passes"] else "/True"
-    elif what == "pdb":
-        out = "1"
+    elif what == "pdb":  # disruptionsAllowed: the scripted answers, then 1
+        out = str(st["budget"].pop(0)) if st["budget"] else "1"
     elif what == "pods":
         rel = label_value(args[args.index("-l") + 1], "moepipe.dev/release")
         out = "".join(f"pod/{k}-{i}\n" for k, w in st["workloads"].items()
@@ -133,18 +133,20 @@ def standin(tmp_path: Path) -> Path:
     return kubectl
 
 
-def cluster(path: Path, workloads: dict, *, job_passes: bool = True, ready: bool = True) -> None:
+def cluster(path: Path, workloads: dict, *, job_passes: bool = True, ready: bool = True,
+            budget: tuple[int, ...] = ()) -> None:
     path.write_text(json.dumps({"workloads": workloads, "calls": [], "jobs": [],
-                                "namespaces": [], "serving": None,
+                                "namespaces": [], "serving": None, "budget": list(budget),
                                 "job_passes": job_passes, "ready": ready}))
 
 
 def run_rollout(tmp_path: Path, k8s: Path, *, workloads: dict, job_passes: bool = True,
-                ready: bool = True) -> tuple[subprocess.CompletedProcess, dict]:
+                ready: bool = True, budget: tuple[int, ...] = ()
+                ) -> tuple[subprocess.CompletedProcess, dict]:
     state = tmp_path / "cluster.json"
-    cluster(state, workloads, job_passes=job_passes, ready=ready)
+    cluster(state, workloads, job_passes=job_passes, ready=ready, budget=budget)
     env = {**os.environ, "KUBECTL": str(standin(tmp_path)), "STANDIN_STATE": str(state),
-           "MOEPIPE_DRAIN_S": "0"}
+           "MOEPIPE_DRAIN_S": "0", "MOEPIPE_POLL_S": "0"}
     res = subprocess.run(["/bin/sh", str(k8s / "rollout.sh")], capture_output=True, text=True,
                          env=env, timeout=120, cwd=tmp_path)
     return res, json.loads(state.read_text())
@@ -183,6 +185,21 @@ def test_the_rollout_validates_then_switches_then_drains_the_old_release(tmp_pat
     assert len(budget) == 3 and all(switch < i for i in budget)
     assert list(st["workloads"]) == [new]  # the old release's objects are deleted
     assert "release bbbbbbbb0002 serves" in res.stderr
+
+
+def test_the_drain_waits_while_the_budget_allows_no_disruption(tmp_path):
+    """Another pod of the deployment is down (disruptionsAllowed 0): the old release keeps its
+    pods until the budget allows one to go, and then loses one at a time."""
+    _, k8s = render(tmp_path, "cpu", NEW, tp=1)
+    old = {f"deployment/moepipe-{OLD[:8]}": {"replicas": 2, "release": OLD}}
+    res, st = run_rollout(tmp_path, k8s, workloads=old, budget=(0, 0, 0, 1, 0, 1))
+    assert res.returncode == 0, res.stderr
+    after = st["calls"][next(i for i, c in enumerate(st["calls"])
+                             if c[:3] == ["apply", "-f", "service.yaml"]):]
+    steps = [c[0] if c[0] == "scale" else "budget" for c in after
+             if c[0] == "scale" or c[:2] == ["get", "pdb"]]
+    # 0, 0, 0, then 1: scale to 1; 0, then 1: scale to 0
+    assert steps == ["budget"] * 4 + ["scale"] + ["budget"] * 2 + ["scale"]
 
 
 def test_a_failed_validation_leaves_the_old_release_serving(tmp_path):
@@ -269,7 +286,7 @@ def test_moepipe_deploy_rollout_runs_the_release_and_a_stop_is_one_line(tmp_path
 
     state = tmp_path / "cluster.json"
     env = {"KUBECTL": str(standin(tmp_path)), "STANDIN_STATE": str(state),
-           "MOEPIPE_DRAIN_S": "0"}
+           "MOEPIPE_DRAIN_S": "0", "MOEPIPE_POLL_S": "0"}
     serving = {f"deployment/moepipe-{OLD[:8]}": {"replicas": 2, "release": OLD}}
     cluster(state, serving, job_passes=False)
     failed = _cli(["deploy", "--rollout"], work, **env)

@@ -137,11 +137,13 @@ ROLLOUT = r"""#!/bin/sh
 #   5. after MOEPIPE_DRAIN_S (default __DRAIN_S__) seconds, scale each older release down one pod at
 #      a time while the PodDisruptionBudget allows it, each pod finishing its requests, then
 #      delete that release.
-# The cluster: the current kubectl context (KUBECTL names another kubectl).
+# The cluster: the current kubectl context (KUBECTL names another kubectl); MOEPIPE_POLL_S: the
+# seconds between two checks of a wait (default 5).
 set -eu
 cd "$(dirname "$0")"
 KUBECTL=$(printenv KUBECTL || echo kubectl)
 DRAIN_S=$(printenv MOEPIPE_DRAIN_S || echo __DRAIN_S__)
+POLL_S=$(printenv MOEPIPE_POLL_S || echo 5)
 NAMESPACE='__NAMESPACE__'
 APP='__APP__'
 RELEASE='__RELEASE__'
@@ -157,6 +159,14 @@ say() { echo "rollout: $*" >&2; }
 fail() {
     echo "rollout: error: $*" >&2
     exit 1
+}
+# Wait POLL_S more, at most $1 s in all (counted in $waited), else fail saying the rest.
+tick() {
+    limit=$1
+    shift
+    if [ "$POLL_S" -ge 1 ]; then waited=$((waited + POLL_S)); else waited=$((waited + 1)); fi
+    if [ "$waited" -gt "$limit" ]; then fail "$@"; fi
+    sleep "$POLL_S"
 }
 
 # The other releases' workloads: "kind/name replicas release" per line (the release is empty
@@ -204,11 +214,7 @@ while :; do
                 "(remove it: kubectl delete deployments,$LWS,services,configmaps,jobs -l $MINE)"
             ;;
     esac
-    waited=$((waited + 5))
-    if [ "$waited" -gt __VALIDATE_S__ ]; then
-        fail "the validate job $JOB did not finish within __VALIDATE_S__ s"
-    fi
-    sleep 5
+    tick __VALIDATE_S__ "the validate job $JOB did not finish within __VALIDATE_S__ s"
 done
 
 say "4/5 switch: Service $APP -> release $RELEASE"
@@ -228,23 +234,15 @@ echo "$old" | while read -r obj n rel; do
     while [ "$n" -gt 0 ]; do
         waited=0
         until [ "$(allowed)" -ge 1 ]; do
-            waited=$((waited + 5))
-            if [ "$waited" -gt __READY_S__ ]; then
-                fail "the PodDisruptionBudget $APP allows no disruption for __READY_S__ s:" \
-                    "$obj stays at $n"
-            fi
-            sleep 5
+            tick __READY_S__ "the PodDisruptionBudget $APP allows no disruption for" \
+                "__READY_S__ s: $obj stays at $n"
         done
         n=$((n - 1))
         k scale "$obj" --replicas="$n"
         if [ -n "$rel" ]; then pods="$SEL,$RELEASE_LABEL=$rel"; else pods=""; fi
         waited=0
         while [ -n "$pods" ] && [ "$(k get pods -l "$pods" -o name | wc -l)" -gt "$n" ]; do
-            waited=$((waited + 5))
-            if [ "$waited" -gt __EXIT_S__ ]; then
-                fail "a pod of $obj is still there after __EXIT_S__ s"
-            fi
-            sleep 5
+            tick __EXIT_S__ "a pod of $obj is still there after __EXIT_S__ s"
         done
         say "  $obj: $n replica(s)"
     done
