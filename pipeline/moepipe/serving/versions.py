@@ -18,11 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from moepipe.serving.core.triton import VERSION_PARAMETER
 from moepipe.serving.request import RequestError
 
-# The request parameter that pins a request to a staged (or the serving) version: what
-# `moepipe deploy` validates a candidate with before traffic moves to it.
-VERSION_PARAMETER = "moepipe_version"
+__all__ = ["VERSION_PARAMETER", "requested_version"]
 
 
 @dataclass

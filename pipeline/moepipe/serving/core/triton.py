@@ -18,6 +18,11 @@ import numpy as np
 
 from .errors import is_busy, triton_code
 
+# The request parameter that pins a request to a staged (or the serving) weights version: what
+# `moepipe deploy` validates a candidate with before traffic moves to it. The BLS model passes
+# it on to tensorrt_llm.
+VERSION_PARAMETER = "moepipe_version"
+
 
 def parameters(model_config: dict) -> dict[str, str]:
     """The ``parameters`` of a parsed ``model_config`` (``json.loads(args["model_config"])``)."""

@@ -25,7 +25,14 @@ import triton_python_backend_utils as pb_utils
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overload  # noqa: E402 - beside this file; the model runs without moepipe installed
 from serving_core.responses import FINAL, Last  # noqa: E402 - shipped beside this file
-from serving_core.triton import error_response, flag, parameters, restore_code  # noqa: E402
+from serving_core.triton import (  # noqa: E402
+    VERSION_PARAMETER,
+    error_response,
+    flag,
+    parameters,
+    request_parameters,
+    restore_code,
+)
 
 # How often a decoupled request's client is asked whether it cancelled (or went away).
 CANCEL_POLL_S = 0.25
@@ -160,10 +167,18 @@ class TritonPythonModel:
         llm_in += [pb_utils.Tensor(dst, t.as_numpy()) for src, dst in LLM_INPUTS.items()
                    if (t := pb_utils.get_input_tensor_by_name(request, src)) is not None]
 
+        # A request pinned to a weights version (a live update's validation) stays pinned on
+        # its way to tensorrt_llm (python_backend: BLS requests take ``parameters`` since
+        # src/pb_stub.cc gained the argument; only passed when there is one to pass).
+        pinned = {k: v for k, v in request_parameters(request).items()
+                  if k == VERSION_PARAMETER}
+        extra = {"parameters": pinned} if pinned else {}
+
         def call(model):
             llm_request = pb_utils.InferenceRequest(
                 model_name=model, inputs=llm_in, request_id=request_id,
-                requested_output_names=["output_ids", "sequence_length", *PASS_THROUGH])
+                requested_output_names=["output_ids", "sequence_length", *PASS_THROUGH],
+                **extra)
             return llm_request.exec(decoupled=True) if self.decoupled else [llm_request.exec()]
 
         stream = (self.policy.serve(call) if self.policy is not None
