@@ -53,6 +53,12 @@ def pods(docs: list[dict]) -> list[dict]:
 
 
 def selects(selector: dict, labels: dict) -> bool:
+    """A Service's selector (a map), or a label selector (matchLabels, matchExpressions)."""
+    if "matchLabels" in selector or "matchExpressions" in selector:
+        ops = {"In": lambda v, vs: v in vs, "NotIn": lambda v, vs: v not in vs}
+        return selects(selector.get("matchLabels", {}), labels) and all(
+            ops[e["operator"]](labels.get(e["key"]), e["values"])
+            for e in selector.get("matchExpressions", []))
     return all(labels.get(k) == v for k, v in selector.items())
 
 
@@ -75,8 +81,18 @@ def test_objects_carry_the_recommended_labels_and_selectors_match_their_pods(
     workers = [p for p in templates if p[COMPONENT_LABEL] == "worker"]
     assert len(servers) == 1 and len(workers) == (1 if "LeaderWorkerSet" in
                                                     {d["kind"] for d in docs} else 0)
+    # the release's validate Job (k8s/rollout): its pod is selected by nothing that serves or
+    # budgets (a budget over a Job's pod would allow no eviction at all)
+    job_docs = [d for d in yaml.safe_load_all(
+        (out / "k8s" / "rollout" / "validate-job.yaml").read_text()) if d]
+    (job_pod,) = [d["spec"]["template"]["metadata"]["labels"] for d in job_docs
+                  if d["kind"] == "Job"]
+    assert RECOMMENDED <= job_pod.keys()
     for d in docs:
         spec = d.get("spec", {})
+        sel = spec.get("selector")
+        if d["kind"] in ("Service", "PodDisruptionBudget", "PodMonitor") and sel:
+            assert not selects(sel, job_pod), d["kind"]
         if d["kind"] == "Deployment":
             sel = spec["selector"]["matchLabels"]
             assert selects(sel, spec["template"]["metadata"]["labels"])
@@ -86,10 +102,10 @@ def test_objects_carry_the_recommended_labels_and_selectors_match_their_pods(
             # the serving Service reaches the servers only; the headless one every pod
             assert matched == (templates if spec.get("clusterIP") == "None" else servers)
         elif d["kind"] in ("PodDisruptionBudget", "PodMonitor"):
-            sel = spec["selector"]["matchLabels"]
+            sel = spec["selector"]
             matched = [p for p in templates if selects(sel, p)]
             assert matched == (templates if d["kind"] == "PodDisruptionBudget" else servers)
-            assert VERSION_LABEL not in sel
+            assert VERSION_LABEL not in sel.get("matchLabels", {})
 
 
 def test_a_version_is_a_valid_label_value():

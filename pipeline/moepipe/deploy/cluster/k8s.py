@@ -44,6 +44,7 @@ import yaml
 from moepipe.config import DNS1123_LABEL
 from moepipe.deploy.cluster import pod_security
 from moepipe.deploy.cluster.labels import (
+    COMPONENT_LABEL,
     INSTANCE_LABEL,
     MONITORING,
     SERVER,
@@ -294,9 +295,17 @@ def hpa(plan: PodPlan, kind: str, api_version: str, min_replicas: int, max_repli
 
 
 def pdb(plan: PodPlan, selector: dict[str, str]) -> dict[str, Any]:
+    """At most one of the serving pods (servers and group workers, of every release) down at a
+    time. Not the validate Job's pods: a budget with ``maxUnavailable`` must select only pods
+    of scalable controllers, or the disruption controller allows no eviction at all
+    (Kubernetes docs, "Specifying a Disruption Budget for your Application", arbitrary
+    controllers)."""
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": meta(plan.name, plan.name),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}}}
+            "spec": {"maxUnavailable": 1, "selector": {
+                "matchLabels": selector,
+                "matchExpressions": [{"key": COMPONENT_LABEL, "operator": "In",
+                                      "values": [SERVER, WORKER]}]}}}
 
 
 KUBESSH = """#!/bin/sh

@@ -121,7 +121,9 @@ def validate_objects(cfg: MoepipeConfig, plan: PodPlan,
              # bounded: every case of every job has its own timeout; this bounds them all
              "activeDeadlineSeconds": max(600, 20 * timeout),
              "ttlSecondsAfterFinished": 86400,
-             "template": {"metadata": {"labels": labels(app, VALIDATE, rel)}, "spec": spec}}},
+             # its pod: no release label (no Service or budget of the release selects it;
+             # deleting the Job by its labels removes it)
+             "template": {"metadata": {"labels": labels(app, VALIDATE)}, "spec": spec}}},
     ]
 
 
