@@ -9,6 +9,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
 
@@ -22,6 +24,11 @@ class Page:
 
 def chromium() -> str | None:
     return shutil.which("chromium")
+
+
+# The mark of a test that opens a page: skipped, visibly, where chromium is missing.
+needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium is not installed "
+                                    "(scripts/install-test-tools.sh installs it)")
 
 
 def _run(url: str, extra: list[str], timeout: float = 90) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ import random
 import re
 
 import pytest
-from browser import chromium, open_page, plot_boxes
+from browser import needs_chromium, open_page, plot_boxes
 
 from moepipe.validate.html import render
 
@@ -41,8 +41,7 @@ def page(tmp_path_factory):
     return open_page(html, out), experts
 
 
-@pytest.mark.skipif(chromium() is None, reason="chromium is not installed "
-                                               "(scripts/install-test-tools.sh installs it)")
+@needs_chromium
 def test_a_61_by_256_heatmap_is_readable(page):
     from PIL import Image  # the test group
 
@@ -83,7 +82,7 @@ def test_a_61_by_256_heatmap_is_readable(page):
         assert b > 150 and r < 100, (layer, (r, g, b))  # blue
 
 
-@pytest.mark.skipif(chromium() is None, reason="chromium is not installed")
+@needs_chromium
 def test_the_rank_heatmap_has_its_tooltips_and_centre(page):
     shown, _ = page
     svg = re.search(r'<svg class="plot" data-plot="balance-ranks" data-kind="heatmap".*?</svg>', shown.dom,

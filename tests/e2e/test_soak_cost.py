@@ -6,7 +6,7 @@ every point at its measured throughput."""
 import json
 
 import pytest
-from browser import chromium, open_page, plot_boxes
+from browser import needs_chromium, open_page, plot_boxes
 
 from moepipe.commands.validate import run_validate
 from moepipe.config import CostSection, PerfSection, SoakSection
@@ -42,8 +42,7 @@ def test_a_short_soak_passes_and_measures_the_deployment(soak_report, deployment
     assert drift["first_window_ms"]["count"] >= 4 and drift["last_window_ms"]["count"] >= 4
 
 
-@pytest.mark.skipif(chromium() is None, reason="chromium is not installed "
-                                               "(scripts/install-test-tools.sh installs it)")
+@needs_chromium
 def test_the_soak_plots_render_in_chromium(soak_report, tmp_path):
     _, (_, _, page) = soak_report
     shown = open_page(page, tmp_path)

@@ -5,7 +5,7 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-from browser import chromium, open_page, plot_boxes
+from browser import needs_chromium, open_page, plot_boxes
 
 from moepipe.commands.validate import run_validate
 from moepipe.config import BalanceSection, BurstSection, LongTailSection, PerfSection
@@ -64,8 +64,7 @@ def test_load_jobs_pass_and_write_json_junit_and_html(load_report):
     assert page.name == "validate.html" and page.stat().st_size > 10_000
 
 
-@pytest.mark.skipif(chromium() is None, reason="chromium is not installed "
-                                               "(scripts/install-test-tools.sh installs it)")
+@needs_chromium
 def test_html_report_renders_in_chromium_without_errors(load_report, tmp_path):
     from PIL import Image  # moepipe[test]
 

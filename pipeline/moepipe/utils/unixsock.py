@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +43,9 @@ def listen(path: Path) -> socket.socket:
             path.unlink(missing_ok=True)  # nobody listens: left by a process that died
         else:
             raise OSError(f"{path}: another process is listening on it")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)  # created 0600
     try:
-        with _short(path) as short:
-            sock.bind(short)
-    except OSError:
-        sock.close()
-        raise
+        sock = _opened(path, socket.socket.bind)
     finally:
         os.umask(old)
     sock.listen(4)
@@ -59,11 +54,19 @@ def listen(path: Path) -> socket.socket:
 
 def connect(path: Path, timeout: float) -> socket.socket:
     """A connection to the socket at ``path`` (OSError when nobody listens)."""
+    def reach(sock: socket.socket, short: str) -> None:
+        sock.settimeout(timeout)
+        sock.connect(short)
+
+    return _opened(path, reach)
+
+
+def _opened(path: Path, use: Callable[[socket.socket, str], None]) -> socket.socket:
+    """A new socket that ``use`` bound or connected to ``path`` (closed if that fails)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
     try:
         with _short(path) as short:
-            sock.connect(short)
+            use(sock, short)
     except OSError:
         sock.close()
         raise

@@ -21,9 +21,9 @@ Each release (the build a workload serves) is its own workload ``<app>-<release[
 ``k8s/release/`` (with its launch ConfigMap, its own Service for the validate Job, and the
 group's headless Service), reading its own repository ``<deploy>/releases/<release>``; the
 stable objects in ``k8s/`` (the Service ``<app>`` selecting the serving release, the autoscaler
-on its workload, the budget over every release's pods, the rights) carry over from one release
-to the next. ``kubectl apply -k k8s`` installs a release at once; ``k8s/rollout.sh`` replaces a
-running one blue/green (:mod:`moepipe.deploy.cluster.rollout`).
+on its workload, the budget over every release's serving pods, the rights) carry over from one
+release to the next. ``kubectl apply -k k8s`` installs a release at once; ``k8s/rollout.sh``
+replaces a running one blue/green (:mod:`moepipe.deploy.cluster.rollout`).
 
 The PersistentVolumeClaim ``deploy.k8s.volume_claim`` holds the workdir and is mounted,
 read-only, at ``deploy.serve_root`` (default: the workdir's own path): the Python models find
@@ -491,8 +491,8 @@ def objects(plan: PodPlan, shape_: Shape, *, min_replicas: int, max_replicas: in
         **({"rbac.yaml": pod_security.rbac(app, meta)}
            if shape_.multi_node and get_target(plan.target).mpi_ranks else {}),
         # The stable objects: the Service on the serving release (the rollout's switch), the
-        # autoscaler on its workload, and the budget over every release's pods (evicting any
-        # pod of a group restarts the group: at most one pod at a time).
+        # autoscaler on its workload, and the budget over every release's serving pods
+        # (evicting any pod of a group restarts the group: at most one pod at a time).
         "service.yaml": [service(plan, selector=serving)],
         "hpa.yaml": [hpa(plan, kind, api, min_replicas, max_replicas, metric, target)],
         "pdb.yaml": [pdb(plan, selector(app))],

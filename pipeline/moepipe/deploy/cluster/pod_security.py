@@ -38,13 +38,18 @@ TMP_MIB = 4096  # /tmp: the Python backend's environment folder, MPI's session, 
 ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}]
 
 
+def tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(volume, mount) of ``/tmp``: where every container writes its files (``HOME`` too)."""
+    return ({"name": "tmp", "emptyDir": {"sizeLimit": f"{TMP_MIB}Mi"}},
+            {"name": "tmp", "mountPath": "/tmp"})
+
+
 def writable_volumes(shm_mib: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(volume, mount) of each place a container writes."""
+    """(volume, mount) of each place a serving container writes."""
     return [
         ({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_mib}Mi"}},
          {"name": "dshm", "mountPath": "/dev/shm"}),
-        ({"name": "tmp", "emptyDir": {"sizeLimit": f"{TMP_MIB}Mi"}},
-         {"name": "tmp", "mountPath": "/tmp"}),
+        tmp_volume(),
     ]
 
 

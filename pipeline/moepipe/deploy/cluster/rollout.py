@@ -92,7 +92,7 @@ def validate_objects(cfg: MoepipeConfig, plan: PodPlan,
     app, rel = plan.name, plan.release
     name = f"{plan.workload}-validate"
     config = yaml.safe_dump(validate_config(cfg, plan, model_dir), sort_keys=False)
-    tmp = [(v, m) for v, m in pod_security.writable_volumes(0) if v["name"] == "tmp"]
+    tmp_volume, tmp_mount = pod_security.tmp_volume()
     timeout = int(cfg.validation.timeout_s)
     container = {
         "name": VALIDATE, "image": validate_image(cfg), "imagePullPolicy": "IfNotPresent",
@@ -100,14 +100,14 @@ def validate_objects(cfg: MoepipeConfig, plan: PodPlan,
         "env": [*pod_security.ENV, {"name": "HF_HUB_OFFLINE", "value": "1"}],
         "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
         "securityContext": pod_security.container_security(),
-        "volumeMounts": [*(m for _, m in tmp),
+        "volumeMounts": [tmp_mount,
                          {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
                          {"name": "workdir", "mountPath": plan.serve_root, "readOnly": True}],
     }
     spec = {
         "securityContext": pod_security.pod_security(), "restartPolicy": "Never",
         "automountServiceAccountToken": False, "containers": [container],
-        "volumes": [*(v for v, _ in tmp),
+        "volumes": [tmp_volume,
                     {"name": "config", "configMap": {"name": name}},
                     {"name": "workdir", "persistentVolumeClaim": {
                         "claimName": plan.volume_claim, "readOnly": True}}],
